@@ -1,0 +1,103 @@
+"""Model-level parity: all seven tiny models under CP 2, 3 and 4 vs a serial run — output, loss, EVERY gradient.
+
+Tiny models have 7 heads and token counts that 2, 3 and 4 do not divide. The loss is computed on the gathered output,
+so each CP rank holds a partial gradient; after SUM over the CP group every parameter gradient must equal the serial
+one. The same test shows that MEAN (what a plain DDP/FSDP setup does) does not: it is 1/cp of the right value.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_distributed
+from tests.tiny_models import MODEL_NAMES, build_inputs, build_model, make_loss, output_tensors
+
+# Relative error per parameter: max|g_cp - g_serial| / max|g_serial|. fp32 CP reorders some sums (different
+# sequence chunks per rank), fp64 shows the math is exact up to rounding.
+TOL = {torch.float32: 2e-5, torch.float64: 1e-10}
+OUT_TOL = {torch.float32: 1e-5, torch.float64: 1e-10}  # absolute, outputs are O(1)
+# Wan's norms and modulation call `.float()`, so an fp64 Wan/ChronoEdit computes partly in fp32.
+FP32_INSIDE = {"wan", "chronoedit"}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _run_models(rank: int, world: int, checkpointing: bool, dtypes: tuple[torch.dtype, ...]) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from train.cp import enable_context_parallel
+    from train.cp.reduce import GradReduction
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses"))
+    reduction = GradReduction("allreduce", cp_group=mesh["ulysses"].get_group())
+    results = {}
+    for dtype in dtypes:
+        for name in MODEL_NAMES:
+            inputs = build_inputs(name, seed=1, dtype=dtype)
+            # Serial reference (every rank computes it; the models are tiny).
+            serial = build_model(name, seed=0, dtype=dtype)
+            if checkpointing:
+                serial.enable_gradient_checkpointing()
+            ref_out = output_tensors(name, serial(**inputs, return_dict=False))
+            ref_loss = make_loss(name, ref_out, seed=2)
+            ref_loss.backward()
+            ref_grads = {n: p.grad for n, p in serial.named_parameters() if p.requires_grad}
+
+            model = build_model(name, seed=0, dtype=dtype)
+            enable_context_parallel(model, mesh=mesh)
+            if checkpointing:
+                model.enable_gradient_checkpointing()
+            out = output_tensors(name, model(**build_inputs(name, seed=1, dtype=dtype), return_dict=False))
+            loss = make_loss(name, out, seed=2)
+            loss.backward()
+            partial = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+            reduction.reduce_gradients(model.parameters())  # SUM over CP
+            summed = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+            mean = {n: g.clone() for n, g in partial.items()}
+            for g in mean.values():
+                dist.all_reduce(g, op=dist.ReduceOp.AVG, group=mesh["ulysses"].get_group())
+
+            assert set(summed) == set(ref_grads)
+            results[(name, str(dtype))] = {
+                "out": max((o - r).abs().max().item() for o, r in zip(out, ref_out)),
+                "loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+                "sum": {n: _rel(summed[n], ref_grads[n]) for n in ref_grads},
+                "mean": {n: _rel(mean[n], ref_grads[n]) for n in ref_grads},
+                "partial_differs": sum(_rel(partial[n], ref_grads[n]) > 1e-3 for n in ref_grads),
+            }
+    return results
+
+
+def _check(world: int, checkpointing: bool, results: list[dict]) -> None:
+    res = results[0]
+    for other in results[1:]:  # every rank ends with the same gathered output and the same reduced gradients
+        for key, r in other.items():
+            assert r["sum"] == pytest.approx(res[key]["sum"], abs=TOL[torch.float32])
+    print(f"\nCP {world}, gradient checkpointing {'on' if checkpointing else 'off'}")
+    print(f"{'model':<12} {'dtype':<14} {'out abs':>9} {'loss rel':>9} {'SUM max rel':>12} {'MEAN min rel':>12} params")
+    for (name, dtype), r in res.items():
+        dt = torch.float32 if "float32" in dtype or name in FP32_INSIDE else torch.float64
+        tol, out_tol = TOL[dt], OUT_TOL[dt]
+        worst = max(r["sum"], key=r["sum"].get)
+        print(f"{name:<12} {dtype:<14} {r['out']:9.2e} {r['loss']:9.2e} {r['sum'][worst]:12.2e} "
+              f"{min(r['mean'].values()):12.2e} {len(r['sum'])}")  # fmt: skip
+        assert r["out"] <= out_tol, f"{name} {dtype}: output error {r['out']}"
+        assert r["loss"] <= tol, f"{name} {dtype}: loss error {r['loss']}"
+        assert r["sum"][worst] <= tol, f"{name} {dtype}: SUM-reduced gradient of {worst} off by {r['sum'][worst]:.3g}"
+        # MEAN over CP is 1/cp of the right gradient: wrong for every parameter (relative error 1 - 1/cp).
+        assert min(r["mean"].values()) >= 0.5 * (1 - 1 / world), f"{name}: MEAN unexpectedly matched"
+        # Before the reduction rank 0 really holds partial gradients (most parameters see tokens of every rank; with
+        # MiniMax's [text | audio | video] packing, rank 0 alone holds the text rows at CP 4).
+        assert r["partial_differs"] > 0.5 * len(r["sum"]), f"{name}: only {r['partial_differs']} partial gradients"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no_ckpt", "ckpt"])
+def test_models_match_serial(world: int, checkpointing: bool) -> None:
+    # fp32 everywhere; fp64 once per degree (without checkpointing) for the exactness check.
+    dtypes = (torch.float32,) if checkpointing else (torch.float32, torch.float64)
+    _check(world, checkpointing, run_distributed(_run_models, world, checkpointing, dtypes))

@@ -1,0 +1,261 @@
+"""Serial sanity checks for tests/tiny_models.py (CPU, fast). Run with ``-s`` to see the per-model summary."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+import time
+from typing import Any
+
+import pytest
+import torch
+from diffusers.models.attention import AttentionModuleMixin
+from diffusers.models.attention_processor import Attention
+
+from tests import tiny_models as tm
+
+CP_DEGREES = (2, 3, 4)
+
+
+def _forward_backward(name: str, seed: int = 0) -> tuple[torch.nn.Module, list[torch.Tensor], torch.Tensor, float]:
+    model = tm.build_model(name, seed=seed)
+    inputs = tm.build_inputs(name, seed=seed)
+    start = time.perf_counter()
+    outputs = tm.output_tensors(name, model(**inputs, return_dict=False))
+    loss = tm.make_loss(name, outputs, seed=seed)
+    loss.backward()
+    return model, outputs, loss, (time.perf_counter() - start) * 1e3
+
+
+def _heads(name: str) -> list[int]:
+    cfg = tm.CONFIGS[name]
+    return [cfg[k] for k in ("num_attention_heads", "audio_num_attention_heads") if k in cfg]
+
+
+def test_names() -> None:
+    assert tm.MODEL_NAMES == ("flux", "flux2", "qwenimage", "wan", "chronoedit", "ltx", "minimax_h3")
+    assert tm.GUARD_MODEL_NAMES == ("helios", "ltx2")
+    assert set(tm.CONFIGS) == set(tm.ALL_MODEL_NAMES)
+    with pytest.raises(KeyError):
+        tm.build_model("nope")
+
+
+@pytest.mark.parametrize("name", tm.ALL_MODEL_NAMES)
+def test_forward_backward_deterministic_and_all_grads_nonzero(name: str) -> None:
+    start = time.perf_counter()
+    model, outputs, loss, fwd_bwd_ms = _forward_backward(name)
+    build_and_run_s = time.perf_counter() - start
+    assert build_and_run_s < 5.0
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(o).all() for o in outputs)
+
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    no_grad = [n for n, p in params if p.grad is None]
+    zero_grad = [n for n, p in params if p.grad is not None and not torch.any(p.grad)]
+    assert not no_grad, f"{name}: parameters without gradient: {no_grad}"
+    assert not zero_grad, f"{name}: parameters with all-zero gradient: {zero_grad}"
+    assert all(torch.isfinite(p.grad).all() for _, p in params)
+
+    # Same seed twice -> bitwise identical outputs, loss and gradients.
+    model2, outputs2, loss2, _ = _forward_backward(name)
+    for a, b in zip(outputs, outputs2, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(loss, loss2)
+    for (n, p), (n2, p2) in zip(model.named_parameters(), model2.named_parameters(), strict=True):
+        assert n == n2 and torch.equal(p, p2)
+        assert (p.grad is None and p2.grad is None) or torch.equal(p.grad, p2.grad)
+
+    # A different seed changes weights, inputs and target.
+    _, outputs3, loss3, _ = _forward_backward(name, seed=1)
+    assert not torch.equal(outputs[0], outputs3[0])
+    assert not torch.equal(loss, loss3)
+
+    min_grad = min((p.grad.abs().max().item(), n) for n, p in params)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    print(
+        f"\n[tiny] {name:11s} params={tm.count_params(model):>7,d} (frozen {frozen:,d}) heads={_heads(name)} "
+        f"head_dim={tm.CONFIGS[name]['attention_head_dim']} tokens={tm.token_counts(name)} "
+        f"batch={tm.BATCH_SIZES[name]} out={[tuple(o.shape) for o in outputs]} loss={loss.item():.3f} "
+        f"fwd+bwd={fwd_bwd_ms:.1f}ms min|grad|max={min_grad[0]:.1e} ({min_grad[1]})"
+    )
+
+
+@pytest.mark.parametrize("name", tm.MODEL_NAMES)
+def test_float64_matches_float32(name: str) -> None:
+    """The CP parity tests also run in float64 (exactness check)."""
+    outs = {}
+    for dtype in (torch.float32, torch.float64):
+        model = tm.build_model(name, dtype=dtype)
+        inputs = tm.build_inputs(name, dtype=dtype)
+        assert all(p.dtype == dtype for p in model.parameters())
+        assert inputs["hidden_states"].dtype == dtype
+        outs[dtype] = tm.output_tensors(name, model(**inputs, return_dict=False))
+        assert all(o.dtype == dtype for o in outs[dtype])
+        tm.make_loss(name, outs[dtype]).backward()
+        assert all(p.grad is not None and torch.any(p.grad) for p in model.parameters() if p.requires_grad)
+    for a, b in zip(outs[torch.float32], outs[torch.float64], strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", tm.ALL_MODEL_NAMES)
+def test_config_sizes(name: str) -> None:
+    start = time.perf_counter()
+    model = tm.build_model(name)
+    assert time.perf_counter() - start < 1.0
+    assert all(h == 7 for h in _heads(name)), _heads(name)
+    assert tm.CONFIGS[name]["attention_head_dim"] == 8
+    assert 20_000 <= tm.count_params(model) <= 300_000
+    # Every attention module has 7 heads.
+    attn_modules = [m for m in model.modules() if isinstance(m, (Attention, AttentionModuleMixin))]
+    heads = {m.heads for m in attn_modules}
+    assert heads == {7}, heads
+
+
+@pytest.mark.parametrize("name", tm.ALL_MODEL_NAMES)
+def test_token_counts_not_divisible_by_cp_degrees(name: str) -> None:
+    counts = tm.token_counts(name)
+    for key, count in counts.items():
+        if (name, key) in tm.UNSPLIT_COUNTS:
+            continue
+        assert all(count % d for d in CP_DEGREES), f"{name}.{key} = {count} divisible by one of {CP_DEGREES}"
+
+    inputs = tm.build_inputs(name)
+    bsz = tm.BATCH_SIZES[name]
+    hs = inputs["hidden_states"]
+    assert hs.shape[0] == bsz
+    media = counts.get("image", counts.get("video"))
+    if hs.ndim == 3:
+        assert hs.shape[1] == media
+    else:  # (B, C, F, H, W) video latents, patchified by the model
+        p_t, p_h, p_w = tm.CONFIGS[name]["patch_size"]
+        assert math.prod(hs.shape[2:]) // (p_t * p_h * p_w) == media
+    assert inputs["encoder_hidden_states"].shape[:2] == (bsz, counts["text"])
+    if name == "minimax_h3":
+        assert inputs["position_ids"].shape[0] == counts["packed"]
+        assert inputs["audio_hidden_states"].shape[1] == counts["audio"]
+    if name in ("minimax_h3", "helios"):  # the sequence the blocks see is built inside the model
+        model = tm.build_model(name)
+        blocks = model.transformer_blocks if name == "minimax_h3" else model.blocks
+        seen: list[int] = []
+        blocks[0].register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[1]))
+        with torch.no_grad():
+            model(**inputs, return_dict=False)
+        assert seen == [counts["packed" if name == "minimax_h3" else "total"]]
+
+
+def test_batch_sizes() -> None:
+    assert sum(b == 2 for b in tm.BATCH_SIZES.values()) >= 3
+    assert set(tm.BATCH_SIZES.values()) <= {1, 2}
+
+
+def test_frozen_params_really_get_no_gradient() -> None:
+    """FROZEN_PARAMS must list exactly parameters that are structurally unused (grad None or all zero)."""
+    for name, patterns in tm.FROZEN_PARAMS.items():
+        model = tm.build_model(name)
+        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+        assert frozen, name
+        assert all(any(re.fullmatch(pat, n) for pat in patterns) for n in frozen)
+        model.requires_grad_(True)
+        outputs = tm.output_tensors(name, model(**tm.build_inputs(name), return_dict=False))
+        tm.make_loss(name, outputs).backward()
+        for n, p in model.named_parameters():
+            dead = p.grad is None or not torch.any(p.grad)
+            assert dead == (n in frozen), f"{name}.{n}: dead={dead}, frozen={n in frozen}"
+
+
+def test_qwen_has_padded_text_mask() -> None:
+    mask = tm.build_inputs("qwenimage")["encoder_hidden_states_mask"]
+    assert mask.shape == (tm.BATCH_SIZES["qwenimage"], tm.token_counts("qwenimage")["text"])
+    assert (mask == 0).any() and (mask == 1).any()
+    assert (mask[0] != mask[1]).any()  # different padding per sample
+
+
+@pytest.mark.parametrize("name", ["ltx", "ltx2"])
+def test_ltx_text_mask_inputs(name: str) -> None:
+    plain = tm.build_inputs(name)
+    masked = tm.build_inputs(name, with_text_mask=True)
+    assert plain["encoder_attention_mask"] is None
+    mask = masked["encoder_attention_mask"]
+    assert mask.shape == (tm.BATCH_SIZES[name], tm.token_counts(name)["text"])
+    assert (mask == 0).any()
+    mask_keys = ("encoder_attention_mask", "audio_encoder_attention_mask")
+    for key, value in plain.items():
+        if key not in mask_keys and isinstance(value, torch.Tensor):
+            assert torch.equal(value, masked[key])
+    assert tm.build_text_mask_inputs(name)["encoder_attention_mask"] is not None
+    model = tm.build_model(name)
+    with torch.no_grad():
+        out_plain = tm.output_tensors(name, model(**plain, return_dict=False))
+        out_masked = tm.output_tensors(name, model(**masked, return_dict=False))
+    assert not torch.allclose(out_plain[0], out_masked[0])
+
+
+@pytest.mark.parametrize("name", [n for n in tm.ALL_MODEL_NAMES if n not in ("ltx", "ltx2", "qwenimage")])
+def test_text_mask_unsupported(name: str) -> None:
+    with pytest.raises(ValueError):
+        tm.build_inputs(name, with_text_mask=True)
+
+
+def test_output_tensors_and_loss() -> None:
+    out = torch.randn(2, 3)
+    assert tm.output_tensors("flux", (out,))[0] is out
+    video, audio = torch.randn(2, 3), torch.randn(2, 4)
+    assert tm.output_tensors("minimax_h3", (video, audio)) == [video, audio]
+    loss = tm.make_loss("minimax_h3", [video, audio], seed=3)
+    expected = torch.nn.functional.mse_loss(video, tm.make_target(video.shape, 3, 0)) + torch.nn.functional.mse_loss(
+        audio, tm.make_target(audio.shape, 3, 1)
+    )
+    torch.testing.assert_close(loss, expected)
+
+
+# Context parallelism reaches attention through `dispatch_attention_fn(..., parallel_config=self._parallel_config)`.
+# Set every processor's `_parallel_config` to a sentinel (as ModelMixin.enable_parallelism does), wrap the
+# `dispatch_attention_fn` imported by the model's module, and record which attention calls carry the config.
+
+_SENTINEL = object()
+
+
+def _record_dispatch(name: str, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    model = tm.build_model(name)
+    calls: list[dict[str, Any]] = []
+    module = importlib.import_module(type(model).__module__)
+    original = module.dispatch_attention_fn
+
+    def wrapper(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls.append({"q": query.shape[1], "k": key.shape[1], "cp": kwargs.get("parallel_config") is _SENTINEL})
+        kwargs["parallel_config"] = None
+        return original(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(module, "dispatch_attention_fn", wrapper)
+    # Count every SDPA call, to show that none bypasses dispatch_attention_fn (the native backend calls SDPA once).
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    n_sdpa = [0]
+
+    def counting_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
+        n_sdpa[0] += 1
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting_sdpa)
+    n_processors = 0
+    for m in model.modules():
+        if isinstance(m, (Attention, AttentionModuleMixin)) and hasattr(m.processor, "_parallel_config"):
+            monkeypatch.setattr(m.processor, "_parallel_config", _SENTINEL)
+            n_processors += 1
+    assert n_processors
+    with torch.no_grad():
+        model(**tm.build_inputs(name), return_dict=False)
+    assert n_sdpa[0] == len(calls), f"{name}: {n_sdpa[0]} SDPA calls but {len(calls)} dispatch_attention_fn calls"
+    return calls
+
+
+@pytest.mark.parametrize("name", tm.ALL_MODEL_NAMES)
+def test_self_attention_goes_through_dispatch_with_parallel_config(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _record_dispatch(name, monkeypatch)
+    assert calls, f"{name}: no dispatch_attention_fn call recorded (attention bypasses dispatch)"
+    # Self / joint attention: query and key sequences are the same tokens (no cross-attention here has len(q)==len(k)).
+    self_attn = [c for c in calls if c["q"] == c["k"]]
+    assert self_attn and all(c["cp"] for c in self_attn), f"{name}: {calls}"
+    cross = sorted({(c["q"], c["k"], c["cp"]) for c in calls if c["q"] != c["k"]})
+    print(f"\n[dispatch] {name:11s} self/joint calls={len(self_attn)} (all with parallel_config); cross q,k,cp={cross}")

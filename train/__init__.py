@@ -1,0 +1,1 @@
+"""ctxtrain: fine-tune diffusers video and image transformers under context parallelism."""

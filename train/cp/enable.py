@@ -1,0 +1,161 @@
+"""Turn on trainable Ulysses-Anything context parallelism on a diffusers model, on any device type (CPU included).
+
+`ModelMixin.enable_parallelism` cannot be used on CPU (it computes `rank % torch.accelerator.device_count()`, which
+divides by zero without an accelerator), so the diffusers ParallelConfig is set up here directly, on a given
+("ring", "ulysses") mesh that may be a sub-mesh of a larger one (so CP composes with FSDP), and the plan's hooks are
+registered with diffusers' own `apply_context_parallel`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .plans import CPPlanSpec, load_plan_file, plan_for, training_problems, validate_plan
+from .ulysses import install_ulysses_anything_backward
+
+__all__ = ["enable_context_parallel", "cp_device_type"]
+
+
+def cp_device_type() -> str:
+    """The device type collectives run on: the accelerator when torch has one with devices, else CPU."""
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return acc.type if acc is not None and torch.accelerator.device_count() > 0 else "cpu"
+
+
+def _local_device(device_type: str) -> torch.device:
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(
+        device_type, int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.accelerator.device_count()))
+    )
+
+
+def _resolve_mesh(mesh: DeviceMesh | None, degree: int | None) -> DeviceMesh:
+    if mesh is not None:
+        names = mesh.mesh_dim_names or ()
+        if "ring" not in names or "ulysses" not in names:
+            raise ValueError(f"the CP mesh needs dims named 'ring' and 'ulysses'; got {names}")
+        if mesh["ring"].size() != 1:
+            raise ValueError(
+                f"only Ulysses CP trains with uneven shapes: the 'ring' dim must be 1, got {mesh['ring'].size()}"
+            )
+        if degree is not None and degree != mesh["ulysses"].size():
+            raise ValueError(f"degree={degree} disagrees with the mesh's 'ulysses' size {mesh['ulysses'].size()}")
+        return mesh
+    world = dist.get_world_size()
+    degree = world if degree is None else degree
+    if degree < 1 or world % degree:
+        raise ValueError(f"CP degree {degree} must divide the world size {world}")
+    # Consecutive ranks form a CP group (fastest interconnect); the leading dim enumerates the CP groups.
+    full = init_device_mesh(
+        cp_device_type(), (world // degree, 1, degree), mesh_dim_names=("cp_groups", "ring", "ulysses")
+    )
+    return full["ring", "ulysses"]
+
+
+def _resolve_plan(model: torch.nn.Module, plan: CPPlanSpec | str | os.PathLike | dict | None) -> CPPlanSpec:
+    if plan is None:
+        return plan_for(model)
+    if isinstance(plan, CPPlanSpec):
+        return plan
+    if isinstance(plan, dict):  # a diffusers-format plan, e.g. a model's own `_cp_plan`
+        return CPPlanSpec(type(model).__name__, True, None, (), plan, Path("<dict>"))
+    return load_plan_file(Path(plan))
+
+
+def _install_guards(model: torch.nn.Module, spec: CPPlanSpec, problems: list[str]) -> None:
+    """A forward pre-hook: runs before diffusers' CP hooks, so it refuses a training forward before any collective."""
+    mask_args = spec.per_head_mask_inputs
+
+    def guard(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if not torch.is_grad_enabled() or not any(p.requires_grad for p in module.parameters()):
+            return  # inference and grad-free forwards stay allowed
+        fed = [name for name in mask_args if kwargs.get(name) is not None]
+        if fed:
+            raise ValueError(
+                f"{type(module).__name__}'s attention processors turn {fed} into per-head (B, heads, 1, S) masks, "
+                "which Ulysses cannot shard across ranks. Train without the text mask: pass "
+                + ", ".join(f"{n}=None" for n in fed)
+            )
+        if problems:
+            raise ValueError(
+                f"{type(module).__name__} cannot be trained under context parallelism with plan {spec.path}: "
+                + "; ".join(problems)
+            )
+
+    model.register_forward_pre_hook(guard, with_kwargs=True)
+
+
+def enable_context_parallel(
+    model: torch.nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    degree: int | None = None,
+    plan: CPPlanSpec | str | os.PathLike | dict | None = None,
+    for_training: bool | None = None,
+):
+    """Enable trainable Ulysses-Anything CP on a diffusers `ModelMixin`; returns its diffusers `ParallelConfig`.
+
+    Args:
+        model: a diffusers transformer. Call this before activation checkpointing, compile and FSDP wrapping.
+        mesh: a DeviceMesh with dims ("ring", "ulysses"), ring of size 1; may be a sub-mesh of a larger mesh.
+            Default: a new mesh whose CP groups are `degree` consecutive ranks.
+        degree: CP degree when no mesh is given (default: the world size).
+        plan: a plan file path, a loaded `CPPlanSpec`, or a diffusers-format dict (default: the shipped plan for the
+            model's class in `cp_plans/`). The plan is validated against the model.
+        for_training: True → refuse now if the plan cannot train correctly; None (default) → refuse the first
+            forward that would compute gradients; False → no training guard (inference only).
+    """
+    from diffusers.hooks.context_parallel import apply_context_parallel
+    from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
+    from diffusers.models.attention import AttentionModuleMixin
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+    from diffusers.models.attention_processor import Attention
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed must be initialised before enable_context_parallel")
+    if getattr(model, "_parallel_config", None) is not None:
+        raise RuntimeError(f"parallelism is already enabled on this {type(model).__name__}")
+
+    spec = _resolve_plan(model, plan)
+    validate_plan(spec, model)
+    problems = training_problems(spec, model)
+    if for_training and problems:
+        raise ValueError(f"{type(model).__name__} cannot be trained under context parallelism: " + "; ".join(problems))
+
+    # Processors must use a backend that has a CP path (on CPU that is "native").
+    processors = [m.processor for m in model.modules() if isinstance(m, (Attention, AttentionModuleMixin))]
+    for proc in processors:
+        if proc is None or not hasattr(proc, "_attention_backend"):
+            continue
+        backend = proc._attention_backend
+        backend = AttentionBackendName(backend) if backend else _AttentionBackendRegistry.get_active_backend()[0]
+        if not _AttentionBackendRegistry._is_context_parallel_available(backend):
+            supported = sorted(b.value for b in _AttentionBackendRegistry._supports_context_parallel)
+            raise ValueError(
+                f"attention backend '{backend.value}' has no context-parallel path; call "
+                f"model.set_attention_backend(...) with one of {supported} first"
+            )
+
+    install_ulysses_anything_backward()
+    mesh = _resolve_mesh(mesh, degree)
+    degree = mesh["ulysses"].size()
+    if degree < 2:
+        raise ValueError("a CP degree of 1 needs no context parallelism; do not call enable_context_parallel")
+    cp_config = ContextParallelConfig(ring_degree=1, ulysses_degree=degree, ulysses_anything=True, mesh=mesh)
+    config = ParallelConfig(context_parallel_config=cp_config)
+    config.setup(dist.get_rank(), dist.get_world_size(), _local_device(mesh.device_type), mesh=mesh)
+    model._parallel_config = config
+    for proc in processors:
+        if proc is not None and hasattr(proc, "_parallel_config"):
+            proc._parallel_config = config
+    _install_guards(model, spec, problems if for_training is not False else [])
+    apply_context_parallel(model, cp_config, spec.diffusers_plan(model))
+    model._cp_plan_spec = spec  # for reporting (which plan file is active)
+    return config

@@ -1,0 +1,555 @@
+"""Declarative context-parallel (CP) plans: `cp_plans/*.yaml` <-> diffusers `_cp_plan` dicts, and their checks.
+
+A diffusers model declares `_cp_plan`: module path -> either a *split* dict (forward-argument name or output index ->
+`ContextParallelInput`) or a *gather* (`ContextParallelOutput`, or a list of them, one per output). Module paths are
+dotted attribute paths from the model, "" is the model itself, and one "*" may stand for every element of a
+`ModuleList`. The plan files spell the same thing in YAML, so a plan can be read, reviewed and changed without
+touching model code:
+
+    model_class: WanTransformer3DModel   # matched against the model's class or its nearest base class, by name
+    training: supported                  # or: unsupported
+    reason: null                         # required text when unsupported
+    per_head_mask_inputs: []             # forward() args the processors expand to per-head masks (Ulysses can't shard)
+    plan:
+      rope:                              # a module path
+        split_outputs:                   # output index -> spec (ContextParallelInput with split_output=True)
+          0: {dim: 1, expected_dims: 4}
+      blocks.0:
+        split_inputs:                    # forward-argument name -> spec, or a list of specs for a list/tuple argument
+          hidden_states: {dim: 1, expected_dims: 3}
+      proj_out:
+        gather: {dim: 1, expected_dims: 3}   # one spec, or a list with one spec per output of the module
+
+`dim` is the split/gather dimension; `expected_dims` (optional, null = unchecked) is the rank the tensor must have,
+else diffusers leaves it unsplit (with a warning). Loading is strict: unknown keys, wrong types and duplicate keys are
+errors that name the file and the dotted key path.
+
+A wildcard path may both split and gather (Helios does this around attn1/attn2/ffn). A diffusers plan holds one value
+per key, so the gathers of such paths live in `CPPlanSpec.extra_gathers`, and `CPPlanSpec.diffusers_plan(model)`
+expands them to concrete per-element paths, the way Helios' built-in plan hard-codes `blocks.0..39`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+__all__ = [
+    "PLAN_DIR",
+    "CPPlanSpec",
+    "ResolvedEntry",
+    "load_plan_file",
+    "load_plans",
+    "plan_for",
+    "resolve_plan",
+    "training_problems",
+    "validate_plan",
+]
+
+PLAN_DIR: Path = Path(__file__).resolve().parents[2] / "cp_plans"
+
+SplitValue = ContextParallelInput | list[ContextParallelInput] | tuple[ContextParallelInput, ...]
+SplitPlan = dict[str | int, SplitValue]
+GatherPlan = ContextParallelOutput | list[ContextParallelOutput] | tuple[ContextParallelOutput, ...]
+DiffusersPlan = dict[str, SplitPlan | GatherPlan]
+
+_TOP_KEYS = ("model_class", "training", "reason", "per_head_mask_inputs", "plan")
+_ENTRY_KEYS = ("split_inputs", "split_outputs", "gather")
+_SPEC_KEYS = ("dim", "expected_dims")
+_TRAINING_VALUES = ("supported", "unsupported")
+
+
+@dataclass(frozen=True)
+class CPPlanSpec:
+    """One plan file, loaded. `plan` is diffusers-format; hand `diffusers_plan(model)` to `apply_context_parallel`:
+    it is `plan` itself unless `extra_gathers` is non-empty (Helios), whose gathers `plan` cannot hold."""
+
+    model_class: str
+    training_supported: bool
+    reason: str | None
+    per_head_mask_inputs: tuple[str, ...]
+    plan: DiffusersPlan
+    path: Path
+    # Gathers on wildcard paths that `plan` also splits (see the module docstring). Empty for every plan but Helios.
+    extra_gathers: dict[str, GatherPlan] = field(default_factory=dict)
+
+    def diffusers_plan(self, model: torch.nn.Module) -> DiffusersPlan:
+        """`plan` plus `extra_gathers` expanded to this model's concrete module paths: what to hand to diffusers."""
+        if not self.extra_gathers:
+            return dict(self.plan)
+        out = dict(self.plan)
+        for path, gather in self.extra_gathers.items():
+            found, error = _find_modules(model, path)
+            if error is not None:
+                raise ValueError(f"{_display(self.path)}: plan path {path!r}: {error}")
+            for concrete, _ in found:
+                if concrete in out:
+                    raise ValueError(f"{_display(self.path)}: plan path {path!r}: {concrete!r} is also a plan key")
+                out[concrete] = gather
+        return out
+
+
+@dataclass(frozen=True)
+class ResolvedEntry:
+    """What the plan does to one concrete module. Equality ignores which plan keys contributed (`*_sources`)."""
+
+    split: dict[str | int, ContextParallelInput | tuple[ContextParallelInput, ...]] = field(default_factory=dict)
+    gather: tuple[ContextParallelOutput, ...] = ()
+    split_sources: tuple[str, ...] = field(default=(), compare=False)
+    gather_sources: tuple[str, ...] = field(default=(), compare=False)
+
+
+# ----------------------------------------------------------------------------------------------------------- loading
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate mapping keys (PyYAML silently keeps the last one, hiding a plan entry)."""
+
+
+def _construct_unique_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if not isinstance(key, (str, int, float, bool, type(None))):
+            continue  # a complex key: construct_mapping below reports it if it is unhashable
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
+def _display(path: Path) -> str:
+    """A path relative to the repo when it is inside it (short error messages), else as given."""
+    try:
+        return str(Path(path).resolve().relative_to(PLAN_DIR.parent))
+    except ValueError:
+        return str(path)
+
+
+def _dotted(keys: Iterable[Any]) -> str:
+    """`plan."blocks.0".split_inputs.hidden_states`: module paths containing dots (or "") are quoted."""
+    parts = []
+    for key in keys:
+        text = str(key)
+        parts.append(f'"{text}"' if (text == "" or "." in text or " " in text) else text)
+    return ".".join(parts)
+
+
+class _Ctx:
+    """Carries the file name and builds `<file>: <dotted key>: <problem>` errors."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = _display(path)
+
+    def error(self, keys: Iterable[Any], message: str) -> ValueError:
+        where = _dotted(keys)
+        return ValueError(f"{self.file}: {where}: {message}" if where else f"{self.file}: {message}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # YAML `true` is a bool, and bool is an int
+
+
+def _check_keys(ctx: _Ctx, keys: tuple, mapping: Any, allowed: tuple[str, ...], what: str) -> dict:
+    if not isinstance(mapping, dict):
+        raise ctx.error(keys, f"expected a mapping ({what}), got {type(mapping).__name__}")
+    for key in mapping:
+        if key not in allowed:
+            raise ctx.error((*keys, key), f"unknown key; expected one of {', '.join(allowed)}")
+    return mapping
+
+
+def _parse_spec(ctx: _Ctx, keys: tuple, raw: Any) -> tuple[int, int | None]:
+    spec = _check_keys(ctx, keys, raw, _SPEC_KEYS, "{dim: int, expected_dims: int | null}")
+    if "dim" not in spec:
+        raise ctx.error(keys, "missing key 'dim'")
+    dim, expected = spec["dim"], spec.get("expected_dims")
+    if not _is_int(dim):
+        raise ctx.error((*keys, "dim"), f"expected an integer, got {dim!r}")
+    if expected is not None:
+        if not _is_int(expected) or expected < 1:
+            raise ctx.error((*keys, "expected_dims"), f"expected a positive integer or null, got {expected!r}")
+        if not -expected <= dim < expected:  # a dim the tensor cannot have would make the entry a silent no-op
+            raise ctx.error((*keys, "dim"), f"dim {dim} is out of range for a {expected}-d tensor")
+    return dim, expected
+
+
+def _parse_gather(ctx: _Ctx, keys: tuple, raw: Any) -> GatherPlan:
+    # A single mapping mirrors diffusers' single ContextParallelOutput; a list has one spec per module output.
+    if isinstance(raw, list):
+        if not raw:
+            raise ctx.error(keys, "empty gather list; give one {dim, expected_dims} per module output")
+        return [ContextParallelOutput(*_parse_spec(ctx, (*keys, i), item)) for i, item in enumerate(raw)]
+    return ContextParallelOutput(*_parse_spec(ctx, keys, raw))
+
+
+def _parse_split(ctx: _Ctx, keys: tuple, entry: dict) -> SplitPlan:
+    split: SplitPlan = {}
+    if "split_inputs" in entry:
+        inputs = entry["split_inputs"]
+        if not isinstance(inputs, dict) or not inputs:
+            raise ctx.error((*keys, "split_inputs"), "expected a non-empty mapping of forward-argument name -> spec")
+        for name, raw in inputs.items():
+            where = (*keys, "split_inputs", name)
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ctx.error(where, "input names must be forward() argument names")
+            if isinstance(raw, list):  # the argument is a list/tuple of tensors: one spec per element
+                if not raw:
+                    raise ctx.error(where, "empty list; give one spec per element of the argument")
+                split[name] = [ContextParallelInput(*_parse_spec(ctx, (*where, i), s)) for i, s in enumerate(raw)]
+            else:
+                split[name] = ContextParallelInput(*_parse_spec(ctx, where, raw))
+    if "split_outputs" in entry:
+        outputs = entry["split_outputs"]
+        if not isinstance(outputs, dict) or not outputs:
+            raise ctx.error((*keys, "split_outputs"), "expected a non-empty mapping of output index -> spec")
+        for index, raw in outputs.items():
+            where = (*keys, "split_outputs", index)
+            if not _is_int(index) or index < 0:
+                raise ctx.error(where, "output indices must be non-negative integers (unquoted)")
+            # diffusers' post-forward hook only splits a single ContextParallelInput per output index.
+            split[index] = ContextParallelInput(*_parse_spec(ctx, where, raw), split_output=True)
+    return split
+
+
+def _check_module_path(ctx: _Ctx, keys: tuple, path: Any) -> str:
+    if not isinstance(path, str):
+        raise ctx.error(keys, f"module paths must be strings, got {path!r} (quote it)")
+    if path.count("*") > 1:
+        raise ctx.error(keys, "at most one '*' wildcard per module path (a diffusers limit)")
+    if path and any(atom == "" or ("*" in atom and atom != "*") for atom in path.split(".")):
+        raise ctx.error(keys, "malformed module path; use dotted attribute names, '*' as a whole segment")
+    return path
+
+
+def load_plan_file(path: str | Path) -> CPPlanSpec:
+    """Load and strictly check one plan file. Raises ValueError naming the file and the dotted key path."""
+    path = Path(path)
+    ctx = _Ctx(path)
+    try:
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)  # a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{ctx.file}: invalid YAML: {exc}") from exc
+    top = _check_keys(ctx, (), raw, _TOP_KEYS, "a plan file")
+    for key in ("model_class", "training", "plan"):
+        if key not in top:
+            raise ctx.error((), f"missing key '{key}'")
+
+    model_class = top["model_class"]
+    if not isinstance(model_class, str) or not model_class.isidentifier():
+        raise ctx.error(("model_class",), f"expected a class name, got {model_class!r}")
+    training = top["training"]
+    if training not in _TRAINING_VALUES:
+        raise ctx.error(("training",), f"expected one of {', '.join(_TRAINING_VALUES)}, got {training!r}")
+    reason = top.get("reason")
+    if training == "unsupported" and (not isinstance(reason, str) or not reason.strip()):
+        raise ctx.error(("reason",), "'training: unsupported' needs a reason (text)")
+    if training == "supported" and reason is not None:
+        raise ctx.error(("reason",), "only 'training: unsupported' takes a reason; use a YAML comment for notes")
+    masks = top.get("per_head_mask_inputs", [])
+    if not isinstance(masks, list) or not all(isinstance(m, str) and m.isidentifier() for m in masks):
+        raise ctx.error(("per_head_mask_inputs",), f"expected a list of forward() argument names, got {masks!r}")
+
+    entries = top["plan"]
+    if not isinstance(entries, dict) or not entries:
+        raise ctx.error(("plan",), "expected a non-empty mapping of module path -> entry")
+    plan: DiffusersPlan = {}
+    extra_gathers: dict[str, GatherPlan] = {}
+    for module_path, entry in entries.items():
+        keys = ("plan", module_path)
+        module_path = _check_module_path(ctx, keys, module_path)
+        entry = _check_keys(ctx, keys, entry, _ENTRY_KEYS, "split_inputs / split_outputs / gather")
+        if not entry:
+            raise ctx.error(keys, f"empty entry; expected one of {', '.join(_ENTRY_KEYS)}")
+        split = _parse_split(ctx, keys, entry)
+        gather = _parse_gather(ctx, (*keys, "gather"), entry["gather"]) if "gather" in entry else None
+        if split and gather is not None:
+            if "*" not in module_path:
+                raise ctx.error(
+                    keys,
+                    "a concrete module path cannot both split and gather: a diffusers plan holds one value per path",
+                )
+            extra_gathers[module_path] = gather
+        plan[module_path] = split if split else gather
+    return CPPlanSpec(
+        model_class=model_class,
+        training_supported=training == "supported",
+        reason=reason if training == "unsupported" else None,
+        per_head_mask_inputs=tuple(masks),
+        plan=plan,
+        path=path,
+        extra_gathers=extra_gathers,
+    )
+
+
+def load_plans(plan_dir: str | Path = PLAN_DIR) -> dict[str, CPPlanSpec]:
+    """Every `*.yaml` in `plan_dir`, by `model_class`. Two files for one class is an error (which would win?)."""
+    specs: dict[str, CPPlanSpec] = {}
+    for file in sorted(Path(plan_dir).glob("*.yaml")):
+        spec = load_plan_file(file)
+        if spec.model_class in specs:
+            other = _display(specs[spec.model_class].path)
+            raise ValueError(f"{_display(file)}: model_class {spec.model_class} is already planned by {other}")
+        specs[spec.model_class] = spec
+    return specs
+
+
+def plan_for(model_or_class: torch.nn.Module | type | str, plan_dir: str | Path = PLAN_DIR) -> CPPlanSpec:
+    """The shipped plan for a model (instance, class or class name): its class, else its nearest planned base."""
+    if isinstance(model_or_class, str):
+        names = [model_or_class]
+    else:
+        cls = model_or_class if isinstance(model_or_class, type) else type(_unwrap(model_or_class))
+        names = [c.__name__ for c in cls.__mro__]
+    specs = load_plans(plan_dir)
+    for name in names:  # MRO order = nearest first
+        if name in specs:
+            return specs[name]
+    raise ValueError(
+        f"no CP plan for {names[0]} (nor its base classes) in {_display(Path(plan_dir))}; "
+        f"plans exist for: {', '.join(sorted(specs)) or 'none'}"
+    )
+
+
+# --------------------------------------------------------------------------------------------------------- resolving
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    # torch.compile wraps modules in an OptimizedModule; diffusers' hooks look through it the same way.
+    return getattr(module, "_orig_mod", module)
+
+
+def _find_modules(model: torch.nn.Module, path: str) -> tuple[list[tuple[str, torch.nn.Module]], str | None]:
+    """Concrete (path, module) pairs that `path` names, like diffusers' `_get_submodule_by_name`, or an error."""
+    if path == "":
+        return [("", model)], None
+    if path.count("*") > 1:
+        return [], "at most one '*' wildcard is allowed"
+    frontier: list[tuple[str, torch.nn.Module]] = [("", _unwrap(model))]
+    for atom in path.split("."):
+        step: list[tuple[str, torch.nn.Module]] = []
+        for prefix, module in frontier:
+            where = repr(prefix) if prefix else "the model"
+            if atom == "*":
+                if not isinstance(module, torch.nn.ModuleList):
+                    return [], f"'*' needs a ModuleList, but {where} is a {type(module).__name__}"
+                step.extend((f"{prefix}.{i}" if prefix else str(i), _unwrap(m)) for i, m in enumerate(module))
+            else:
+                # `_modules`, not getattr: a parameter or a config attribute of the same name is not a hook target.
+                child = module._modules.get(atom)
+                if not isinstance(child, torch.nn.Module):
+                    return [], f"{atom!r} is not a submodule of {type(module).__name__}"
+                step.append((f"{prefix}.{atom}" if prefix else atom, _unwrap(child)))
+        frontier = step
+    if not frontier:
+        return [], "the '*' wildcard matches no module (empty ModuleList)"
+    return frontier, None
+
+
+def _plan_items(plan: CPPlanSpec | Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """(path, split dict | gather) pairs, including a spec's extra gathers (so a path may appear twice)."""
+    if isinstance(plan, CPPlanSpec):
+        return [*plan.plan.items(), *plan.extra_gathers.items()]
+    return list(plan.items())
+
+
+def _as_gather_tuple(value: Any) -> tuple | None:
+    if isinstance(value, ContextParallelOutput):
+        return (value,)
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    return None
+
+
+def _resolve(
+    plan: CPPlanSpec | Mapping[str, Any], model: torch.nn.Module
+) -> tuple[dict[str, ResolvedEntry], list[str]]:
+    """Expand wildcards and merge per concrete module; problems are returned, not raised (validate_plan lists all)."""
+    split: dict[str, dict] = {}
+    gather: dict[str, tuple] = {}
+    split_src: dict[str, list[str]] = {}
+    gather_src: dict[str, list[str]] = {}
+    problems: list[str] = []
+    for path, value in _plan_items(plan):
+        found, error = _find_modules(model, path)
+        if error is not None:
+            problems.append(f"plan path {path!r}: {error}")
+            continue
+        gathers = _as_gather_tuple(value)
+        if not isinstance(value, dict) and gathers is None:
+            problems.append(f"plan path {path!r}: expected a split dict or ContextParallelOutput(s), got {value!r}")
+            continue
+        for concrete, _ in found:
+            if isinstance(value, dict):
+                merged = split.setdefault(concrete, {})
+                for key, spec in value.items():
+                    if key in merged:
+                        # Two hooks (one per plan key) would each shard it: the module would see 1/N^2 of it.
+                        others = ", ".join(repr(s) for s in split_src[concrete])
+                        problems.append(f"plan path {path!r}: {key!r} of {concrete!r} is already split by {others}")
+                        continue
+                    merged[key] = tuple(spec) if isinstance(spec, (list, tuple)) else spec
+                split_src.setdefault(concrete, []).append(path)
+            else:
+                if concrete in gather:
+                    others = ", ".join(repr(s) for s in gather_src[concrete])
+                    problems.append(f"plan path {path!r}: {concrete!r} is already gathered by {others}")
+                    continue
+                gather[concrete] = gathers
+                gather_src.setdefault(concrete, []).append(path)
+    resolved = {
+        concrete: ResolvedEntry(
+            split=split.get(concrete, {}),
+            gather=gather.get(concrete, ()),
+            split_sources=tuple(split_src.get(concrete, ())),
+            gather_sources=tuple(gather_src.get(concrete, ())),
+        )
+        for concrete in sorted(set(split) | set(gather))
+    }
+    return resolved, problems
+
+
+def resolve_plan(plan: CPPlanSpec | Mapping[str, Any], model: torch.nn.Module) -> dict[str, ResolvedEntry]:
+    """Concrete module path (e.g. "blocks.0.attn1") -> what the plan does there, wildcards expanded and merged.
+
+    Two plans that do the same thing to the same modules resolve equal, however they spell it (wildcard vs one key
+    per block, single gather vs one-element list). Raises ValueError when a path does not resolve.
+    """
+    resolved, problems = _resolve(plan, model)
+    if problems:
+        raise ValueError("cannot resolve the CP plan:\n  - " + "\n  - ".join(problems))
+    return resolved
+
+
+# -------------------------------------------------------------------------------------------------------- validation
+
+
+def _forward_params(module: torch.nn.Module) -> set[str]:
+    # diffusers maps split-input names to positions with inspect.signature(cls.forward), so *args/**kwargs don't count.
+    params = list(inspect.signature(type(_unwrap(module)).forward).parameters.values())[1:]
+    return {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+
+
+def _check_split_value(path: str, key: Any, value: Any) -> str | None:
+    if isinstance(key, str):
+        specs = value if isinstance(value, (list, tuple)) else [value]
+        if not specs or not all(isinstance(s, ContextParallelInput) and not s.split_output for s in specs):
+            return f"plan path {path!r}: input {key!r} needs ContextParallelInput(s) with split_output=False"
+        return None
+    if _is_int(key):
+        if key < 0:
+            return f"plan path {path!r}: output index {key} is negative"
+        if not (isinstance(value, ContextParallelInput) and value.split_output):
+            return f"plan path {path!r}: output {key} needs one ContextParallelInput with split_output=True"
+        return None
+    return f"plan path {path!r}: split keys are forward() argument names or int output indices, got {key!r}"
+
+
+def validate_plan(spec: CPPlanSpec, model: torch.nn.Module) -> None:
+    """Check a plan against a model instance; raise one ValueError listing every problem found."""
+    problems: list[str] = []
+    names = [c.__name__ for c in type(_unwrap(model)).__mro__]
+    if spec.model_class not in names:
+        problems.append(f"the plan is for {spec.model_class}, the model is a {names[0]}")
+    _, resolve_problems = _resolve(spec, model)
+    problems += resolve_problems
+
+    for path, value in _plan_items(spec):
+        found, error = _find_modules(model, path)
+        if error is not None:
+            continue  # already reported by _resolve
+        if isinstance(value, dict):
+            if not value:
+                problems.append(f"plan path {path!r}: empty split dict")
+            for key, item in value.items():
+                problem = _check_split_value(path, key, item)
+                if problem:
+                    problems.append(problem)
+                    continue
+                if isinstance(key, str):
+                    missing = sorted({type(m).__name__ for _, m in found if key not in _forward_params(m)})
+                    if missing:
+                        problems.append(
+                            f"plan path {path!r}: {key!r} is not a forward() argument of {', '.join(missing)}"
+                        )
+        else:
+            gathers = _as_gather_tuple(value)
+            if gathers is not None and not gathers:
+                problems.append(f"plan path {path!r}: empty gather list")
+            elif gathers is not None and not all(isinstance(g, ContextParallelOutput) for g in gathers):
+                problems.append(f"plan path {path!r}: gathers must be ContextParallelOutput, got {value!r}")
+
+    root_params = _forward_params(model)
+    for name in spec.per_head_mask_inputs:
+        if name not in root_params:
+            problems.append(f"per_head_mask_inputs: {name!r} is not a forward() argument of {names[0]}")
+
+    if problems:
+        raise ValueError(
+            f"{_display(spec.path)}: the CP plan for {spec.model_class} does not fit this {names[0]}:\n  - "
+            + "\n  - ".join(problems)
+        )
+
+
+def _inside_repeated_block(model: torch.nn.Module, path: str) -> str | None:
+    """The repeated block (a ModuleList element) that `path` is, or is inside of; None when there is none."""
+    module, walked = _unwrap(model), []
+    for atom in path.split(".") if path else []:
+        walked.append(atom)
+        if isinstance(module, torch.nn.ModuleList):
+            return ".".join(walked)
+        module = _unwrap(module._modules[atom])
+    return None
+
+
+def _few(paths: list[str], limit: int = 3) -> str:
+    shown = ", ".join(paths[:limit])
+    return shown if len(paths) <= limit else f"{shown}, ... ({len(paths)} modules)"
+
+
+def training_problems(spec: CPPlanSpec, model: torch.nn.Module) -> list[str]:
+    """Why training under this plan would give wrong gradients; [] means none found. The plan must resolve.
+
+    CP training is correct when every rank runs the replicated prefix, shards the sequence, and the loss is taken on
+    one output gathered at the end: each parameter's gradient is then the SUM over ranks of their shard's share.
+    Gathering inside a repeated block makes the sequence replicated again between sub-layers of every block, so part
+    of the compute runs on all ranks and the per-parameter gradients are neither the SUM nor the MEAN over ranks.
+    """
+    problems: list[str] = []
+    if not spec.training_supported:
+        problems.append(f"training: unsupported: {spec.reason}")
+    resolved = resolve_plan(spec, model)
+
+    inside: dict[str, list[str]] = {}  # gathering plan key -> concrete modules inside repeated blocks
+    both: dict[tuple[tuple[str, ...], tuple[str, ...]], list[str]] = {}
+    for concrete, entry in resolved.items():
+        if entry.gather and _inside_repeated_block(model, concrete) is not None:
+            for source in entry.gather_sources:
+                inside.setdefault(source, []).append(concrete)
+        if entry.gather and entry.split:
+            both.setdefault((entry.split_sources, entry.gather_sources), []).append(concrete)
+    for source, concretes in inside.items():
+        problems.append(
+            f"plan path {source!r} gathers inside a repeated block ({_few(concretes)}): the loss is not taken on one "
+            "fully gathered output at the end, so per-parameter gradients are neither SUM nor MEAN over CP ranks"
+        )
+    for (split_src, gather_src), concretes in both.items():
+        problems.append(
+            f"{_few(concretes)} is both split (by {', '.join(map(repr, split_src))}) and gathered "
+            f"(by {', '.join(map(repr, gather_src))}): that module runs sharded inside an otherwise replicated stream"
+        )
+    if not any(entry.gather for entry in resolved.values()):
+        problems.append("the plan never gathers: the loss would be taken on one rank's shard of the output")
+    if not any(entry.split for entry in resolved.values()):
+        problems.append("the plan never splits: gathering a replicated tensor repeats it CP-degree times")
+    return problems

@@ -1,0 +1,294 @@
+"""Trainable Ulysses-Anything attention: any sequence length, any head count, any CP degree, with a backward.
+
+diffusers 0.42.1 ships `TemplatedUlyssesAnythingAttention` with a forward only (its backward raises), pads heads up
+to a multiple of the degree (and asserts when it cannot), assembles split key masks in the wrong order when a non-last
+shard is shorter, and gathers uneven outputs with an all_gather that gloo rejects. `install_ulysses_anything_backward`
+replaces those pieces in diffusers' module namespace, where they are looked up at call time.
+
+Layout. Rank r holds `s_r` tokens of every head (B, s_r, H, D). Heads are split unevenly with `tensor_split`
+(rank r gets `h_r` heads, possibly 0) instead of zero-padded, so no padding bytes travel and every head count works.
+One all-to-all-v moves Q, K and V together: rank r sends rank j the block (B, s_r, h_j, D) of each tensor and receives
+(B, s_i, h_r, D) from every rank i, then concatenates along the sequence: (B, S, h_r, D). The output goes back the
+inverse way. Every all-to-all only permutes elements, so its backward is the inverse all-to-all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .comm import all_gather_uneven, exchange_ints, get_transport
+
+__all__ = ["UlyssesAnythingAttention", "GatherAnything", "install_ulysses_anything_backward", "split_sizes"]
+
+
+def split_sizes(n: int, world: int) -> list[int]:
+    """Sizes of `torch.tensor_split(n_items, world)`: the first n % world parts get one more."""
+    return [n // world + (1 if i < n % world else 0) for i in range(world)]
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    out, acc = [], 0
+    for s in sizes:
+        out.append(acc)
+        acc += s
+    return out
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Everything both passes need, identical on every rank (built from exchanged sizes only)."""
+
+    rank: int
+    world: int
+    q_sizes: tuple[int, ...]  # local query tokens on each rank
+    kv_sizes: tuple[int, ...]  # local key/value tokens on each rank
+    heads: tuple[int, ...]  # heads each rank attends over after the exchange
+
+
+def _seq_to_heads(xs: list[torch.Tensor], seq_sizes: list[tuple[int, ...]], lay: _Layout, group, site: str):
+    """(B, s_r, H, D_t) per tensor → (B, S_t, h_r, D_t): scatter heads, gather sequence, one all-to-all for all."""
+    r, heads = lay.rank, lay.heads
+    h_off = _offsets(list(heads))
+    dtype, device = xs[0].dtype, xs[0].device
+    B = xs[0].shape[0]
+    # Send buffer, ordered by destination rank, then by tensor: one copy of each block straight into place.
+    in_splits = [
+        sum(B * sizes[r] * heads[j] * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) for j in range(lay.world)
+    ]
+    send = torch.empty(sum(in_splits), dtype=dtype, device=device)
+    pos = 0
+    for j in range(lay.world):
+        for x in xs:
+            blk = x[:, :, h_off[j] : h_off[j] + heads[j]]
+            send[pos : pos + blk.numel()].view(blk.shape).copy_(blk)
+            pos += blk.numel()
+    out_splits = [
+        sum(B * sizes[i] * heads[r] * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) for i in range(lay.world)
+    ]
+    recv = get_transport().all_to_all(send, in_splits, out_splits, group, site)
+    # Received: for each source rank i, for each tensor, a (B, s_i, h_r, D) block. Concatenate along the sequence.
+    pieces: list[list[torch.Tensor]] = [[] for _ in xs]
+    pos = 0
+    for i in range(lay.world):
+        for t, (x, sizes) in enumerate(zip(xs, seq_sizes)):
+            shape = (B, sizes[i], heads[r], x.shape[-1])
+            n = shape[0] * shape[1] * shape[2] * shape[3]
+            pieces[t].append(recv[pos : pos + n].view(shape))
+            pos += n
+    return [torch.cat(p, dim=1) for p in pieces]
+
+
+def _heads_to_seq(xs: list[torch.Tensor], seq_sizes: list[tuple[int, ...]], lay: _Layout, group, site: str):
+    """(B, S_t, h_r, D_t) per tensor → (B, s_r, H, D_t): the inverse of `_seq_to_heads`."""
+    r, heads = lay.rank, lay.heads
+    dtype, device = xs[0].dtype, xs[0].device
+    B = xs[0].shape[0]
+    offs = [_offsets(list(sizes)) for sizes in seq_sizes]
+    in_splits = [
+        sum(B * sizes[j] * heads[r] * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) for j in range(lay.world)
+    ]
+    send = torch.empty(sum(in_splits), dtype=dtype, device=device)
+    pos = 0
+    for j in range(lay.world):
+        for x, sizes, off in zip(xs, seq_sizes, offs):
+            blk = x[:, off[j] : off[j] + sizes[j]]
+            send[pos : pos + blk.numel()].view(blk.shape).copy_(blk)
+            pos += blk.numel()
+    out_splits = [
+        sum(B * sizes[r] * heads[i] * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) for i in range(lay.world)
+    ]
+    recv = get_transport().all_to_all(send, in_splits, out_splits, group, site)
+    pieces: list[list[torch.Tensor]] = [[] for _ in xs]
+    pos = 0
+    for i in range(lay.world):
+        for t, (x, sizes) in enumerate(zip(xs, seq_sizes)):
+            shape = (B, sizes[r], heads[i], x.shape[-1])
+            n = shape[0] * shape[1] * shape[2] * shape[3]
+            pieces[t].append(recv[pos : pos + n].view(shape))
+            pos += n
+    return [torch.cat(p, dim=2) for p in pieces]
+
+
+def _normalise_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Masks as SDPA broadcasts them: (B, 1, Mq, Mk). A per-head mask cannot follow a head scatter: refuse it."""
+    if mask is None:
+        return None
+    if mask.dim() == 2:  # (B, S_kv) key padding
+        return mask[:, None, None, :]
+    if mask.dim() == 4:
+        if mask.shape[1] != 1:
+            raise ValueError(
+                f"Ulysses context parallelism got a per-head attention mask of shape {tuple(mask.shape)} (B, heads, "
+                "q, k). Ulysses scatters heads across ranks but cannot scatter a mask's head dim. Train this model "
+                "without that mask (for LTX/LTX2: pass encoder_attention_mask=None), or use a (B, 1, q, k) mask."
+            )
+        return mask
+    raise ValueError(
+        f"Ulysses context parallelism supports attention masks of shape (B, S_kv) or (B, 1, S_q|1, S_kv); "
+        f"got {tuple(mask.shape)}."
+    )
+
+
+def _assemble_mask(mask, lens: list[list[int]], lay: _Layout, group) -> torch.Tensor | None:
+    """Bring a mask to the global (post all-to-all) layout, deciding from exchanged sizes only: same on all ranks."""
+    if mask is None:
+        return None
+    mq, mk = [row[2] for row in lens], [row[3] for row in lens]
+    s_q, s_kv = sum(lay.q_sizes), sum(lay.kv_sizes)
+    if mk == list(lay.kv_sizes) and lay.world > 1:
+        mask = all_gather_uneven(mask, -1, mk, group, "mask")  # split key padding: concatenate shards in rank order
+    elif any(n != s_kv for n in mk):
+        raise ValueError(
+            f"attention mask key length per rank {mk} matches neither the local key lengths {list(lay.kv_sizes)} "
+            f"nor the global key length {s_kv}"
+        )
+    if mq == list(lay.q_sizes) and any(n != 1 for n in mq) and lay.world > 1:
+        mask = all_gather_uneven(mask, -2, mq, group, "mask")
+    elif any(n not in (1, s_q) for n in mq):
+        raise ValueError(
+            f"attention mask query length per rank {mq} matches neither 1, the local query lengths "
+            f"{list(lay.q_sizes)} nor the global query length {s_q}"
+        )
+    return mask
+
+
+class UlyssesAnythingAttention(torch.autograd.Function):
+    """Drop-in, differentiable replacement for diffusers' `TemplatedUlyssesAnythingAttention` (same `.apply` args)."""
+
+    @classmethod
+    def apply(cls, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, *args, **kw):
+        # User errors are raised here, before the first collective, so every rank fails the same way and none hangs.
+        training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        if training and dropout_p > 0:
+            raise ValueError(
+                f"attention dropout {dropout_p} is not supported when training under Ulysses CP: the backward "
+                "recomputes attention and would draw a different dropout mask. Set attention dropout to 0."
+            )
+        attn_mask = _normalise_mask(attn_mask)
+        return super().apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, *args)
+
+    @staticmethod
+    def forward(
+        ctx,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        dropout_p: float,
+        is_causal: bool,
+        scale: float | None,
+        enable_gqa: bool,
+        return_lse: bool,
+        forward_op,
+        backward_op,
+        _parallel_config=None,
+    ):
+        group = _parallel_config.context_parallel_config._ulysses_mesh.get_group()
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        B, s_q, H, _ = query.shape
+        mask_q = -1 if attn_mask is None else attn_mask.shape[-2]
+        mask_k = -1 if attn_mask is None else attn_mask.shape[-1]
+        # One tiny exchange per call gives every rank the same view of all local lengths, so every later decision
+        # (fusing, mask layout) is identical on all ranks. Never cached by local size: that is how ranks hang.
+        lens = exchange_ints([s_q, key.shape[1], mask_q, mask_k], query.device, group, "sizes")
+        lay = _Layout(rank, world, tuple(r[0] for r in lens), tuple(r[1] for r in lens), tuple(split_sizes(H, world)))
+        attn_mask = _assemble_mask(attn_mask, lens, lay, group)
+
+        q, k, v = _seq_to_heads([query, key, value], [lay.q_sizes, lay.kv_sizes, lay.kv_sizes], lay, group, "qkv")
+
+        ctx.forward_op, ctx.backward_op, ctx._parallel_config = forward_op, backward_op, _parallel_config
+        ctx.layout, ctx.group, ctx.empty = lay, group, lay.heads[rank] == 0
+        if ctx.empty:  # fewer heads than ranks: this rank attends over nothing but still joins every collective
+            out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+            lse = q.new_empty(q.shape[:-1], dtype=torch.float32) if return_lse else None
+        else:
+            out = forward_op(
+                ctx, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                _save_ctx=True, _parallel_config=_parallel_config,
+            )  # fmt: skip
+            lse = None
+            if return_lse:
+                out, lse, *_ = out
+        ctx.kv_shapes = (k.shape, v.shape)
+        (out,) = _heads_to_seq([out], [lay.q_sizes], lay, group, "out")
+        if not return_lse:
+            return out
+        (lse,) = _heads_to_seq([lse.unsqueeze(-1)], [lay.q_sizes], lay, group, "lse")
+        lse = lse.squeeze(-1)
+        ctx.mark_non_differentiable(lse)  # the LSE is an auxiliary output; its gradient is not propagated
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor, *_grad_lse):
+        lay, group = ctx.layout, ctx.group
+        (d_out,) = _seq_to_heads([grad_out], [lay.q_sizes], lay, group, "d_out")
+        if ctx.empty:
+            dq = d_out.new_empty(d_out.shape[:-1] + (ctx.kv_shapes[0][-1],))
+            dk, dv = d_out.new_empty(ctx.kv_shapes[0]), d_out.new_empty(ctx.kv_shapes[1])
+        else:
+            dq, dk, dv, *_ = ctx.backward_op(ctx, d_out)
+        dq, dk, dv = _heads_to_seq([dq, dk, dv], [lay.q_sizes, lay.kv_sizes, lay.kv_sizes], lay, group, "d_qkv")
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+class GatherAnything(torch.autograd.Function):
+    """Concatenate uneven per-rank shards along `dim`; backward returns exactly this rank's slice.
+
+    Replaces diffusers' `AllGatherAnythingFunction`, whose forward uses an uneven all_gather (rejected by gloo) and
+    whose backward re-derives the slice with `tensor_split`, which is wrong when shards are not tensor_split sizes.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, dim: int, group: dist.ProcessGroup):
+        dim = dim % tensor.dim()
+        sizes = [row[0] for row in exchange_ints([tensor.shape[dim]], tensor.device, group, "gather_sizes")]
+        ctx.dim, ctx.offset, ctx.size = dim, sum(sizes[: dist.get_rank(group)]), tensor.shape[dim]
+        return all_gather_uneven(tensor.contiguous(), dim, sizes, group, "gather")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.narrow(ctx.dim, ctx.offset, ctx.size), None, None
+
+
+def _all_gather_anything(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    return GatherAnything.apply(tensor, dim, group)
+
+
+_ORIGINALS: dict[str, object] = {}
+
+
+def install_ulysses_anything_backward() -> None:
+    """Make diffusers' Ulysses-Anything path trainable and correct for uneven shapes, on gloo and NCCL. Idempotent.
+
+    Patches, in diffusers' own module namespaces (looked up at call time, so every CP-capable backend benefits):
+    - `attention_dispatch.TemplatedUlyssesAnythingAttention` → `UlyssesAnythingAttention` (backward, uneven heads
+      without padding, correct split-mask assembly, LSE as a non-differentiable output);
+    - `hooks.context_parallel.AllGatherAnythingFunction` / `_all_gather_anything` → `GatherAnything` (uneven output
+      gather that gloo accepts, exact backward slice).
+    """
+    from diffusers.hooks import context_parallel as cp_hooks
+    from diffusers.models import attention_dispatch
+
+    if _ORIGINALS:
+        return
+    _ORIGINALS["attention"] = attention_dispatch.TemplatedUlyssesAnythingAttention
+    _ORIGINALS["gather_fn"] = cp_hooks.AllGatherAnythingFunction
+    _ORIGINALS["gather"] = cp_hooks._all_gather_anything
+    attention_dispatch.TemplatedUlyssesAnythingAttention = UlyssesAnythingAttention
+    cp_hooks.AllGatherAnythingFunction = GatherAnything
+    cp_hooks._all_gather_anything = _all_gather_anything
+
+
+def uninstall_ulysses_anything_backward() -> None:
+    """Restore diffusers' originals (used by tests that demonstrate the stock defects)."""
+    from diffusers.hooks import context_parallel as cp_hooks
+    from diffusers.models import attention_dispatch
+
+    if not _ORIGINALS:
+        return
+    attention_dispatch.TemplatedUlyssesAnythingAttention = _ORIGINALS.pop("attention")
+    cp_hooks.AllGatherAnythingFunction = _ORIGINALS.pop("gather_fn")
+    cp_hooks._all_gather_anything = _ORIGINALS.pop("gather")
