@@ -70,12 +70,12 @@ def test_round_trip_dict_recipe_dict():
         "parallel": {"cp": 2, "dp_shard": 1},
         "train": {"lr": 3e-5, "betas": [0.9, 0.95], "max_grad_norm": None, "mixed_precision": "no"},
         "finetune": {"method": "lora", "lora_targets": ["to_q", "to_k"]},
-        "data": {"synthetic": {"num_samples": 4, "pooled_dim": 32}},
+        "data": {"synthetic": {"num_samples": 4, "shapes": {"pooled_embeds": [32]}}},
         "name": "run",
     }
     recipe = recipe_from_dict(d)
     assert recipe.parallel.cp == 2 and recipe.train.lr == 3e-5 and recipe.finetune.lora_targets == ["to_q", "to_k"]
-    assert isinstance(recipe.data.synthetic, SyntheticData) and recipe.data.synthetic.pooled_dim == 32
+    assert isinstance(recipe.data.synthetic, SyntheticData) and recipe.data.synthetic.shapes["pooled_embeds"] == [32]
     full = recipe_to_dict(recipe)
     assert _contains(full, d), full
     assert recipe_from_dict(full) == recipe

@@ -240,27 +240,13 @@ class SyntheticData:
 
     num_samples: int = 8
     """Number of distinct random samples (the epoch length)."""
-    latent_channels: int = 16
-    """Channels of the VAE latent."""
-    latent_frames: int = 1
-    """Latent frames (1 for image families)."""
-    latent_height: int = 16
-    """Latent height."""
-    latent_width: int = 16
-    """Latent width."""
-    text_tokens: int = 16
-    """Tokens per text embedding sequence."""
-    text_dim: int = 32
-    """Hidden size of the text embeddings."""
-    pooled_dim: int | None = None
-    """Size of the pooled text embedding for families that take one (flux); null = none."""
+    shapes: dict[str, list[int]] = field(default_factory=dict)
+    """Per-sample shape of each tensor the family reads (spec batch_keys); *_mask keys: bool, last quarter padded."""
 
     def _problems(self) -> list[tuple[str, str]]:
-        return [
-            (f.name, f"must be >= 1, got {getattr(self, f.name)}")
-            for f in dataclasses.fields(self)
-            if getattr(self, f.name) is not None and getattr(self, f.name) < 1
-        ]
+        out = [("num_samples", f"must be >= 1, got {self.num_samples}")] if self.num_samples < 1 else []
+        out += [(f"shapes.{k}", f"dims must be >= 1, got {v}") for k, v in self.shapes.items() if min(v, default=0) < 1]
+        return out
 
 
 @dataclass

@@ -4,6 +4,7 @@ Public contract: `install_ulysses_anything_backward()` and `enable_context_paral
 """
 
 from .enable import enable_context_parallel
+from .reduce import GradReduction
 from .ulysses import install_ulysses_anything_backward
 
-__all__ = ["enable_context_parallel", "install_ulysses_anything_backward"]
+__all__ = ["GradReduction", "enable_context_parallel", "install_ulysses_anything_backward"]

@@ -77,6 +77,11 @@ class GradReduction:
         if self.mode in ("ddp", "fsdp2"):
             self._check_reduce_mesh()
 
+    @classmethod
+    def for_model(cls, parallel_config, dp_group: dist.ProcessGroup | None = None) -> GradReduction:
+        """Plain all-reduce reduction for a model set up by `enable_context_parallel` (its returned config)."""
+        return cls("allreduce", parallel_config.context_parallel_config._ulysses_mesh.get_group(), dp_group)
+
     def _check_reduce_mesh(self) -> None:
         """Refuse a layout whose reduction cannot equal SUM over cp × MEAN over dp."""
         if self.reduce_mesh is None:

@@ -1,0 +1,92 @@
+"""The trainer's batch stream: dataset → bucketed batches for this data-parallel rank → device, with the CP batch
+contract (every rank of a CP group gets the same batch; DP groups get different ones) checked at startup."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from ..config import Recipe
+from ..models.spec import FamilySpec
+from .sampler import BucketBatchSampler, collate
+from .synthetic_latents import SyntheticLatentDataset
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_dataset(recipe: Recipe, spec: FamilySpec):
+    data = recipe.data
+    if data.synthetic is not None:
+        missing = [k for k in spec.batch_keys if k not in data.synthetic.shapes]
+        if missing:
+            raise ValueError(f"data.synthetic.shapes lacks {missing}: family {spec.name} reads {list(spec.batch_keys)}")
+        return SyntheticLatentDataset(data.synthetic.num_samples, data.synthetic.shapes, recipe.train.seed,
+                                      DTYPES[recipe.model.dtype])  # fmt: skip
+    if data.cache_dir is None:
+        raise ValueError("set data.cache_dir (written by `python -m train.prepare`) or data.synthetic")
+    from .dataset import CachedLatentDataset
+
+    return CachedLatentDataset(data.cache_dir)
+
+
+class Batches:
+    """Infinite iterator of collated batches on `device`; its position is part of every checkpoint."""
+
+    def __init__(self, dataset, sampler: BucketBatchSampler, device: torch.device) -> None:
+        self.dataset, self.sampler, self.device = dataset, sampler, device
+        self._it = iter(sampler)
+        self._empty = dataset.empty_prompt()
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        indices = next(self._it)
+        return {k: v.to(self.device) for k, v in collate([self.dataset[i] for i in indices]).items()}
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+        self._it = iter(self.sampler)
+
+    def caption_dropout(self, batch: dict, p: float, gen: torch.Generator) -> dict:
+        """Replace whole captions by the empty caption's embeddings with probability p (drawn from the step's
+        generator, so CP peers drop the same captions)."""
+        if p <= 0:
+            return batch
+        drop = torch.rand(batch["latents"].shape[0], generator=gen) < p
+        if not drop.any():
+            return batch
+        out = dict(batch)
+        for key, empty in self._empty.items():
+            if key in batch:
+                e = empty.to(batch[key].device, batch[key].dtype)  # same (L, D) as each sample's: cached alike
+                out[key] = torch.where(drop.view(-1, *[1] * e.dim()).to(e.device), e, batch[key])
+        return out
+
+    def check_contract(self, mesh) -> None:
+        """Hash the next batch (without consuming it) and compare across ranks: equal inside a CP group, else an
+        error; equal across DP groups only when the dataset is too small to differ (a warning)."""
+        state = self.sampler.state_dict()
+        batch = next(self)
+        self.load_state_dict(state)
+        digest = hashlib.sha256()
+        for k in sorted(batch):
+            digest.update(batch[k].detach().float().cpu().numpy().tobytes())
+        h = torch.tensor([int.from_bytes(digest.digest()[:7], "little")], dtype=torch.int64)
+        groups = [(mesh.cp_group, "CP")] + ([(mesh.dp.get_group(), "DP")] if mesh.dims.dp > 1 else [])
+        for group, what in groups:
+            seen = [torch.zeros_like(h) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(seen, h, group=group)
+            values = {int(s) for s in seen}
+            if what == "CP" and len(values) != 1:
+                raise RuntimeError("ranks of one CP group received different batches: the CP batch contract is broken")
+            if what == "DP" and len(values) < len(seen) and dist.get_rank() == 0:
+                print(f"warning: {len(seen) - len(values) + 1} data-parallel groups drew the same first batch")
+
+
+def make_batches(dataset, recipe: Recipe, dp_rank: int, dp_size: int, device: torch.device) -> Batches:
+    sampler = BucketBatchSampler(dataset.buckets, recipe.train.batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                                 seed=recipe.train.seed, shuffle=recipe.data.shuffle)  # fmt: skip
+    return Batches(dataset, sampler, device)

@@ -1,0 +1,56 @@
+"""Run monitoring: `<output_dir>/metrics.jsonl` (one JSON line per optimizer step) and wandb through Accelerate.
+
+wandb needs no account: mode "offline" writes `<output_dir>/wandb/offline-run-*/` that `wandb sync` uploads later.
+Settings are passed as init arguments (wandb ignores environment variables changed after its first init).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # CPU: the process's peak resident set
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+class MetricsLogger:
+    """Writes metrics on rank 0 only; every rank calls it (so the call sites stay free of rank checks)."""
+
+    def __init__(self, accelerator, output_dir: Path, run_config: dict, logging_cfg, run_name: str) -> None:
+        self.accelerator, self.is_main = accelerator, accelerator.is_main_process
+        self.path = output_dir / "metrics.jsonl"
+        self.use_wandb = logging_cfg.wandb_mode != "disabled"
+        if self.is_main and self.use_wandb:
+            accelerator.init_trackers(
+                logging_cfg.wandb_project,
+                config=run_config,
+                init_kwargs={"wandb": {"mode": logging_cfg.wandb_mode, "dir": str(output_dir), "name": run_name}},
+            )
+
+    def log(self, metrics: dict[str, Any], resumed_from: int | None = None) -> None:
+        if not self.is_main:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self.use_wandb:
+            self.accelerator.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+
+    def truncate_after(self, step: int) -> None:
+        """On resume, drop lines of steps after the checkpoint (they will be logged again, identically)."""
+        if not self.is_main or not self.path.exists():
+            return
+        lines = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+        self.path.write_text("".join(ln + "\n" for ln in lines))
+
+    def close(self) -> None:
+        if self.is_main and self.use_wandb:
+            self.accelerator.end_training()

@@ -1,0 +1,53 @@
+"""Build the transformer a recipe asks for: load (or random-init) it, then make it trainable (LoRA or full)."""
+
+from __future__ import annotations
+
+import diffusers
+import torch
+
+from .config import FinetuneConfig, ModelConfig
+from .models.spec import FamilySpec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_transformer(cfg: ModelConfig, spec: FamilySpec, seed: int) -> torch.nn.Module:
+    """From a pretrained pipeline folder / hub id (`subfolder`), or random-init from `init_config` (tiny recipes)."""
+    cls = getattr(diffusers, spec.transformer_class)
+    dtype = DTYPES[cfg.dtype]
+    if cfg.init_config is not None:
+        torch.manual_seed(seed)  # identical initial weights on every rank
+        model = cls.from_config(cfg.init_config).to(dtype)
+    else:
+        model = cls.from_pretrained(
+            cfg.pretrained_path, subfolder=cfg.subfolder, revision=cfg.revision, torch_dtype=dtype
+        )
+    model.set_attention_backend(cfg.attention_backend)
+    return model.train()
+
+
+def apply_finetune(model: torch.nn.Module, cfg: FinetuneConfig, spec: FamilySpec) -> list[str]:
+    """Full: every parameter trains, in fp32 (master weights). LoRA: the base is frozen, adapters train in fp32.
+
+    Returns the names of the trainable parameters.
+    """
+    if cfg.method == "full":
+        model.to(torch.float32).requires_grad_(True)
+    else:
+        from peft import LoraConfig
+
+        model.requires_grad_(False)
+        targets = list(cfg.lora_targets or spec.lora_targets)
+        model.add_adapter(
+            LoraConfig(
+                r=cfg.lora_rank,
+                lora_alpha=cfg.lora_alpha,
+                lora_dropout=cfg.lora_dropout,
+                target_modules=targets,
+                init_lora_weights=True,
+            )  # fmt: skip
+        )
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+    return [n for n, p in model.named_parameters() if p.requires_grad]

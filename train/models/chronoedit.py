@@ -1,0 +1,100 @@
+"""ChronoEdit (ChronoEditTransformer3DModel / ChronoEditPipeline): Wan image-to-video used as an image editor.
+
+Cache: ``latents`` (C, F, H, W) target video latents normalised as the pipeline does (AutoencoderKLWan mean/std; the
+input image is frame 0, the edited image the last frame); ``condition_latents`` (C, F, H, W): the normalised VAE
+latents of the conditioning video ``[input image, zeros...]`` (what ``ChronoEditPipeline.prepare_latents`` encodes);
+``image_embeds`` (257, 1280): CLIP vision ``hidden_states[-2]`` of the input image (``encode_image``);
+``prompt_embeds`` (512, 4096) UMT5 states, zero-padded to 512 as ``encode_prompt`` returns them (no text mask; the Wan
+processors require exactly 512 text tokens when image embeddings are prepended).
+
+Forward kwargs, as ChronoEditPipeline's denoising loop: ``hidden_states = cat([latents, mask, condition_latents],
+dim=1)`` where ``mask`` (B, 4, F, H, W) is the first-frame mask ``prepare_latents`` builds (1 on latent frame 0, 0
+elsewhere), ``encoder_hidden_states``, ``encoder_hidden_states_image``, ``timestep = sigma * 1000``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from . import wan
+from .spec import FamilySpec, ShiftSpec, frozen, output_tensors, sigma_times_1000
+
+# UniPC with flow sigmas like Wan; the official ChronoEdit inference (nv-tlabs/ChronoEdit
+# scripts/run_inference_diffusers.py) sets `flow_shift=5.0` (720p).
+SCHEDULER_CONFIG = frozen(
+    num_train_timesteps=1000,
+    prediction_type="flow_prediction",
+    use_flow_sigmas=True,
+    flow_shift=5.0,
+)
+
+VAE_SCALE_FACTOR_TEMPORAL = 4
+
+
+def first_frame_mask(latents: torch.Tensor, vae_scale_factor_temporal: int = VAE_SCALE_FACTOR_TEMPORAL) -> torch.Tensor:
+    """The (B, vae_scale_factor_temporal, F, H, W) mask of ``ChronoEditPipeline.prepare_latents``.
+
+    The pipeline builds a pixel-frame mask (1 on frame 0), repeats frame 0 ``vae_scale_factor_temporal`` times and
+    folds groups of that many pixel frames into channels: latent frame 0 is all ones, the others all zeros.
+    """
+    batch_size, _, frames, height, width = latents.shape
+    mask = latents.new_zeros(batch_size, vae_scale_factor_temporal, frames, height, width)
+    mask[:, :, 0] = 1
+    return mask
+
+
+def build_inputs(
+    batch: Mapping[str, Any],
+    noisy_latents: Mapping[str, torch.Tensor],
+    timesteps: Mapping[str, torch.Tensor],
+    *,
+    model_config: Mapping[str, Any],
+) -> dict[str, Any]:
+    latents = noisy_latents["latents"]
+    condition = batch["condition_latents"].to(latents.dtype)
+    if condition.shape != latents.shape:
+        raise ValueError(f"condition_latents {tuple(condition.shape)} must match latents {tuple(latents.shape)}")
+    return {
+        "hidden_states": torch.cat([latents, first_frame_mask(condition), condition], dim=1),
+        "timestep": timesteps["latents"],
+        "encoder_hidden_states": batch["prompt_embeds"],
+        "encoder_hidden_states_image": batch["image_embeds"],
+    }
+
+
+def unpack_output(
+    out: Any, latents_shapes: Mapping[str, torch.Size], *, model_config: Mapping[str, Any]
+) -> dict[str, torch.Tensor]:
+    return {"latents": output_tensors(out)[0]}
+
+
+SPEC = FamilySpec(
+    name="chronoedit",
+    transformer_class="ChronoEditTransformer3DModel",
+    pipeline_class="ChronoEditPipeline",
+    vae_class="AutoencoderKLWan",
+    text_encoders=("text_encoder",),
+    latent_kind="video",
+    # Wan attention projections; `attn2.add_k_proj` / `add_v_proj` (image K/V) stay frozen, as in the Wan I2V recipes.
+    lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
+    shift=ShiftSpec(
+        kind="static",
+        scheduler_class="UniPCMultistepScheduler",
+        scheduler_config=SCHEDULER_CONFIG,
+        shift=SCHEDULER_CONFIG["flow_shift"],
+    ),
+    build_inputs=build_inputs,
+    unpack_output=unpack_output,
+    timestep_from_sigma=sigma_times_1000,
+    shift_seq_len=wan.shift_seq_len,
+    batch_keys=("latents", "prompt_embeds", "condition_latents", "image_embeds"),
+    extra_components=frozen(image_encoder="CLIPVisionModel", image_processor="CLIPImageProcessor"),
+    constants=frozen(vae_scale_factor_temporal=VAE_SCALE_FACTOR_TEMPORAL, vae_scale_factor_spatial=8),
+    notes=(
+        "Temporal-reasoning inference (dropping intermediate frames mid-schedule) is an inference-time procedure and "
+        "has no training counterpart here. The loss covers every latent frame, including frame 0 (the input image)."
+    ),
+)

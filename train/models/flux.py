@@ -1,0 +1,109 @@
+"""FLUX.1 (FluxTransformer2DModel / FluxPipeline).
+
+Cache: ``latents`` (C, H, W) as FluxPipeline normalises them (``(z - shift_factor) * scaling_factor``, 16 channels,
+H and W even), ``prompt_embeds`` (L, 4096) T5, ``pooled_embeds`` (768,) CLIP pooled. Optional ``guidance`` (scalar per
+sample) overrides the pipeline's default guidance scale for guidance-distilled checkpoints.
+
+Forward kwargs, as FluxPipeline's denoising loop passes them (minus CFG): ``hidden_states`` packed 2x2
+(``FluxPipeline._pack_latents``), ``img_ids`` (``FluxPipeline._prepare_latent_image_ids``), ``txt_ids`` (zeros, as
+``encode_prompt``), ``pooled_projections``, ``guidance`` (``guidance_embeds`` checkpoints), ``timestep = sigma``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift
+
+from .spec import FamilySpec, ShiftSpec, frozen, output_tensors, sigma_identity
+
+# black-forest-labs/FLUX.1-dev scheduler/scheduler_config.json
+SCHEDULER_CONFIG = frozen(
+    num_train_timesteps=1000,
+    shift=3.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=1.15,
+    base_image_seq_len=256,
+    max_image_seq_len=4096,
+)
+
+# FluxPipeline.__call__ default `guidance_scale`.
+GUIDANCE_SCALE = 3.5
+
+
+def build_inputs(
+    batch: Mapping[str, Any],
+    noisy_latents: Mapping[str, torch.Tensor],
+    timesteps: Mapping[str, torch.Tensor],
+    *,
+    model_config: Mapping[str, Any],
+) -> dict[str, Any]:
+    latents = noisy_latents["latents"]
+    batch_size, channels, height, width = latents.shape
+    prompt_embeds = batch["prompt_embeds"]
+    device, dtype = latents.device, prompt_embeds.dtype
+    guidance = None
+    if model_config.get("guidance_embeds", False):
+        guidance = batch.get("guidance")
+        if guidance is None:
+            guidance = torch.full([1], GUIDANCE_SCALE, device=device, dtype=torch.float32)
+        guidance = guidance.to(device=device, dtype=torch.float32).reshape(-1).expand(batch_size)
+    return {
+        "hidden_states": FluxPipeline._pack_latents(latents, batch_size, channels, height, width),
+        "timestep": timesteps["latents"],
+        "guidance": guidance,
+        "pooled_projections": batch["pooled_embeds"],
+        "encoder_hidden_states": prompt_embeds,
+        "txt_ids": torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=dtype),
+        "img_ids": FluxPipeline._prepare_latent_image_ids(batch_size, height // 2, width // 2, device, dtype),
+    }
+
+
+def unpack_output(
+    out: Any, latents_shapes: Mapping[str, torch.Size], *, model_config: Mapping[str, Any]
+) -> dict[str, torch.Tensor]:
+    _, _, height, width = latents_shapes["latents"]
+    # vae_scale_factor=1: height/width are given in latent pixels.
+    return {"latents": FluxPipeline._unpack_latents(output_tensors(out)[0].contiguous(), height, width, 1)}
+
+
+def shift_seq_len(latents_shape: Sequence[int]) -> int:
+    _, height, width = latents_shape
+    return (height // 2) * (width // 2)
+
+
+SPEC = FamilySpec(
+    name="flux",
+    transformer_class="FluxTransformer2DModel",
+    pipeline_class="FluxPipeline",
+    vae_class="AutoencoderKL",
+    text_encoders=("text_encoder", "text_encoder_2"),
+    latent_kind="image",
+    # train_dreambooth_lora_flux.py default `--lora_layers`.
+    lora_targets=("to_k", "to_q", "to_v", "to_out.0"),
+    shift=ShiftSpec(
+        kind="dynamic",
+        scheduler_class="FlowMatchEulerDiscreteScheduler",
+        scheduler_config=SCHEDULER_CONFIG,
+        shift=SCHEDULER_CONFIG["shift"],
+        mu_fn=functools.partial(
+            calculate_shift,
+            base_seq_len=SCHEDULER_CONFIG["base_image_seq_len"],
+            max_seq_len=SCHEDULER_CONFIG["max_image_seq_len"],
+            base_shift=SCHEDULER_CONFIG["base_shift"],
+            max_shift=SCHEDULER_CONFIG["max_shift"],
+        ),
+    ),
+    build_inputs=build_inputs,
+    unpack_output=unpack_output,
+    timestep_from_sigma=sigma_identity,
+    shift_seq_len=shift_seq_len,
+    batch_keys=("latents", "prompt_embeds", "pooled_embeds"),
+    # No text mask: FluxPipeline lets the T5 padding tokens be attended.
+    constants=frozen(guidance_scale=GUIDANCE_SCALE, vae_scale_factor=8),
+    notes="FLUX.1 Kontext / Fill / controlnet inputs are not covered.",
+)

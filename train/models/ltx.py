@@ -1,0 +1,135 @@
+"""LTX-Video (LTXVideoTransformer3DModel / LTXPipeline).
+
+Cache: ``latents`` (C, F, H, W) as LTXPipeline normalises them (``LTXPipeline._normalize_latents`` with the VAE's
+latents mean/std and scaling factor); ``prompt_embeds`` (128, 4096) T5 states with ``prompt_mask`` (128,) bool.
+Optional ``frame_rate`` (per sample, all equal in a batch) overrides the pipeline's default 25 fps.
+
+Forward kwargs, as LTXPipeline's denoising loop: ``hidden_states`` (``LTXPipeline._pack_latents``),
+``encoder_hidden_states``, ``encoder_attention_mask``, ``num_frames`` / ``height`` / ``width`` (post-patch latent grid),
+``rope_interpolation_scale = (vae_temporal_compression / frame_rate, vae_spatial_compression,
+vae_spatial_compression)``, ``timestep = sigma * 1000``.
+
+Context parallelism: LTXVideoAttnProcessor turns the text mask into a per-head mask Ulysses can't shard, so the mask
+is not fed under CP (``text_mask_fed_in_cp=False``); :meth:`FamilySpec.forward_kwargs` then cuts the text to the
+longest unpadded prompt instead.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from diffusers.pipelines.ltx.pipeline_ltx import LTXPipeline, calculate_shift
+
+from .spec import FamilySpec, ShiftSpec, frozen, output_tensors, sigma_times_1000, uniform_value
+
+# Lightricks/LTX-Video (0.9.1) scheduler/scheduler_config.json (relevant keys).
+SCHEDULER_CONFIG = frozen(
+    num_train_timesteps=1000,
+    shift=1.0,
+    use_dynamic_shifting=True,
+    base_shift=0.95,
+    max_shift=2.05,
+    base_image_seq_len=1024,
+    max_image_seq_len=4096,
+    shift_terminal=0.1,
+)
+
+# LTXPipeline defaults: AutoencoderKLLTXVideo compression ratios and `frame_rate`.
+VAE_SPATIAL_COMPRESSION = 32
+VAE_TEMPORAL_COMPRESSION = 8
+FRAME_RATE = 25
+
+
+def _patch_sizes(model_config: Mapping[str, Any]) -> tuple[int, int]:
+    return int(model_config.get("patch_size", 1)), int(model_config.get("patch_size_t", 1))
+
+
+def build_inputs(
+    batch: Mapping[str, Any],
+    noisy_latents: Mapping[str, torch.Tensor],
+    timesteps: Mapping[str, torch.Tensor],
+    *,
+    model_config: Mapping[str, Any],
+) -> dict[str, Any]:
+    latents = noisy_latents["latents"]
+    _, _, frames, height, width = latents.shape
+    patch_size, patch_size_t = _patch_sizes(model_config)
+    frame_rate = batch.get("frame_rate")
+    frame_rate = FRAME_RATE if frame_rate is None else uniform_value(torch.as_tensor(frame_rate), "frame_rate")
+    mask = batch.get("prompt_mask")
+    return {
+        "hidden_states": LTXPipeline._pack_latents(latents, patch_size, patch_size_t),
+        "encoder_hidden_states": batch["prompt_embeds"],
+        "timestep": timesteps["latents"],
+        "encoder_attention_mask": None if mask is None else mask.bool(),
+        "num_frames": frames // patch_size_t,
+        "height": height // patch_size,
+        "width": width // patch_size,
+        "rope_interpolation_scale": (
+            VAE_TEMPORAL_COMPRESSION / frame_rate,
+            VAE_SPATIAL_COMPRESSION,
+            VAE_SPATIAL_COMPRESSION,
+        ),
+    }
+
+
+def unpack_output(
+    out: Any, latents_shapes: Mapping[str, torch.Size], *, model_config: Mapping[str, Any]
+) -> dict[str, torch.Tensor]:
+    _, _, frames, height, width = latents_shapes["latents"]
+    patch_size, patch_size_t = _patch_sizes(model_config)
+    pred = LTXPipeline._unpack_latents(
+        output_tensors(out)[0],
+        frames // patch_size_t,
+        height // patch_size,
+        width // patch_size,
+        patch_size,
+        patch_size_t,
+    )
+    return {"latents": pred}
+
+
+def shift_seq_len(latents_shape: Sequence[int]) -> int:
+    _, frames, height, width = latents_shape
+    return frames * height * width  # LTXPipeline: latent_num_frames * latent_height * latent_width
+
+
+SPEC = FamilySpec(
+    name="ltx",
+    transformer_class="LTXVideoTransformer3DModel",
+    pipeline_class="LTXPipeline",
+    vae_class="AutoencoderKLLTXVideo",
+    text_encoders=("text_encoder",),
+    latent_kind="video",
+    # Self- and cross-attention projections (`attn1` / `attn2`), as the diffusers/finetrainers LTX LoRA recipes.
+    lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
+    shift=ShiftSpec(
+        kind="dynamic",
+        scheduler_class="FlowMatchEulerDiscreteScheduler",
+        scheduler_config=SCHEDULER_CONFIG,
+        shift=SCHEDULER_CONFIG["shift"],
+        mu_fn=functools.partial(
+            calculate_shift,
+            base_seq_len=SCHEDULER_CONFIG["base_image_seq_len"],
+            max_seq_len=SCHEDULER_CONFIG["max_image_seq_len"],
+            base_shift=SCHEDULER_CONFIG["base_shift"],
+            max_shift=SCHEDULER_CONFIG["max_shift"],
+        ),
+    ),
+    build_inputs=build_inputs,
+    unpack_output=unpack_output,
+    timestep_from_sigma=sigma_times_1000,
+    shift_seq_len=shift_seq_len,
+    batch_keys=("latents", "prompt_embeds", "prompt_mask"),
+    text_mask_fed_in_cp=False,
+    text_mask_kwarg="encoder_attention_mask",
+    constants=frozen(
+        vae_spatial_compression=VAE_SPATIAL_COMPRESSION,
+        vae_temporal_compression=VAE_TEMPORAL_COMPRESSION,
+        frame_rate=FRAME_RATE,
+    ),
+    notes="Image/video-conditioned LTX (LTXImageToVideoPipeline, LTXConditionPipeline) is not covered.",
+)

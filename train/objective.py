@@ -1,0 +1,197 @@
+"""The rectified-flow (flow-matching) objective shared by every family.
+
+Per training step, with ``x0`` the cached latents of a stream and ``noise ~ N(0, I)``::
+
+    sigmas = sample_timesteps(B, spec, ..., generator=g)        # (B,) in (0, 1), the family's shift applied
+    noisy  = add_noise(x0, noise, sigmas)                        # (1 - sigma) * x0 + sigma * noise
+    target = flow_matching_target(x0, noise)                     # noise - x0
+    loss   = flow_matching_loss(pred, target, loss_weight(sigmas, "none"))
+
+The density of the base draw ``u`` comes from ``diffusers.training_utils.compute_density_for_timestep_sampling`` and the
+loss weighting from ``compute_loss_weighting_for_sd3`` (the SD3 / Flux / Qwen-Image training recipes); the shift is
+the family scheduler's (:class:`train.models.ShiftSpec`). Unlike the diffusers training examples, which index the
+scheduler's 1000 unshifted training timesteps, sigmas are continuous and shifted as the family's pipeline shifts its
+inference schedule (static shift, or resolution-dependent ``mu`` from ``image_seq_len``).
+
+All randomness comes from an explicit ``torch.Generator``: context-parallel peers seeded alike draw identical sigmas
+and noise.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
+
+from .models.spec import PRIMARY_STREAM, FamilySpec, ShiftSpec
+
+SamplingScheme = Literal["logit_normal", "uniform", "mode"]
+WeightingScheme = Literal["none", "sigma_sqrt", "cosmap"]
+
+SAMPLING_SCHEMES: tuple[str, ...] = ("logit_normal", "uniform", "mode")
+WEIGHTING_SCHEMES: tuple[str, ...] = ("none", "sigma_sqrt", "cosmap")
+
+# Sigmas are clamped to [SIGMA_EPS, 1 - SIGMA_EPS]: sigma = 0 would make the sample clean (and `sigma_sqrt` weighting
+# infinite), sigma = 1 pure noise.
+SIGMA_EPS = 1e-5
+
+
+def sample_base(
+    batch_size: int,
+    *,
+    scheme: SamplingScheme = "logit_normal",
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    mode_scale: float = 1.29,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """Unshifted base sigmas ``u`` (B,) float32 on the generator's device, via diffusers' density sampler."""
+    if scheme not in SAMPLING_SCHEMES:
+        raise ValueError(f"unknown timestep sampling scheme {scheme!r}; expected one of {SAMPLING_SCHEMES}")
+    if generator is None:
+        raise ValueError("pass an explicit torch.Generator (CP peers must draw identical timesteps)")
+    return compute_density_for_timestep_sampling(
+        weighting_scheme=scheme,
+        batch_size=batch_size,
+        logit_mean=logit_mean,
+        logit_std=logit_std,
+        mode_scale=mode_scale,
+        device=generator.device,
+        generator=generator,
+    ).float()
+
+
+@functools.lru_cache(maxsize=4)
+def _time_shift_scheduler(time_shift_type: str) -> FlowMatchEulerDiscreteScheduler:
+    return FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, time_shift_type=time_shift_type)
+
+
+def shift_sigmas(u: torch.Tensor, shift: ShiftSpec, image_seq_len: int | None = None) -> torch.Tensor:
+    """Apply a family's shift to base sigmas ``u`` in [0, 1] (computed in float64, returned in ``u``'s dtype).
+
+    Static: ``shift * u / (1 + (shift - 1) * u)``, the formula of FlowMatchEulerDiscreteScheduler / UniPC flow sigmas
+    / MiniMaxH3Scheduler. Dynamic: ``FlowMatchEulerDiscreteScheduler.time_shift(mu, 1.0, u)`` with
+    ``mu = shift.mu(image_seq_len)``, as the pipeline computes it for the sample's resolution.
+    """
+    x = u.double()
+    if shift.kind == "static":
+        out = shift.shift * x / (1 + (shift.shift - 1) * x)
+    else:
+        if image_seq_len is None:
+            raise ValueError("this family shifts timesteps by resolution: pass image_seq_len (spec.image_seq_len(...))")
+        out = _time_shift_scheduler(shift.time_shift_type).time_shift(shift.mu(image_seq_len), 1.0, x)
+    return out.to(u.dtype)
+
+
+def sample_stream_sigmas(
+    batch_size: int,
+    spec: FamilySpec,
+    *,
+    scheme: SamplingScheme = "logit_normal",
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    mode_scale: float = 1.29,
+    image_seq_len: int | None = None,
+    generator: torch.Generator,
+    device: torch.device | str | None = None,
+) -> dict[str, torch.Tensor]:
+    """Sigmas (B,) per stream of ``spec`` (``"latents"`` first), all from ONE base draw through each stream's shift.
+
+    Families with ``shared_timestep`` draw one base value for the whole batch. The generator is advanced identically
+    whatever the family's streams are.
+    """
+    draws = 1 if spec.shared_timestep else batch_size
+    u = sample_base(
+        draws, scheme=scheme, logit_mean=logit_mean, logit_std=logit_std, mode_scale=mode_scale, generator=generator
+    ).expand(batch_size)
+    out = {}
+    for stream in spec.streams:
+        sigmas = shift_sigmas(u, spec.stream_shift(stream), image_seq_len).clamp(SIGMA_EPS, 1.0 - SIGMA_EPS)
+        out[stream] = sigmas.contiguous().to(device if device is not None else sigmas.device)
+    return out
+
+
+def sample_timesteps(
+    batch_size: int,
+    spec: FamilySpec,
+    *,
+    scheme: SamplingScheme = "logit_normal",
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    mode_scale: float = 1.29,
+    image_seq_len: int | None = None,
+    generator: torch.Generator,
+    device: torch.device | str | None = None,
+    stream: str = PRIMARY_STREAM,
+) -> torch.Tensor:
+    """Sigmas (B,) float32 in (0, 1) for one stream (default the primary latents); see :func:`sample_stream_sigmas`."""
+    return sample_stream_sigmas(
+        batch_size,
+        spec,
+        scheme=scheme,
+        logit_mean=logit_mean,
+        logit_std=logit_std,
+        mode_scale=mode_scale,
+        image_seq_len=image_seq_len,
+        generator=generator,
+        device=device,
+    )[stream]
+
+
+def sample_noise(
+    shape: Sequence[int],
+    *,
+    generator: torch.Generator,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Standard normal noise drawn (in float32) on the generator's device, then moved to ``device`` / ``dtype``."""
+    noise = torch.randn(tuple(shape), generator=generator, device=generator.device, dtype=torch.float32)
+    return noise.to(device=device if device is not None else noise.device, dtype=dtype)
+
+
+def _expand(sigmas: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    sigmas = sigmas.to(device=like.device, dtype=like.dtype)
+    return sigmas.reshape(sigmas.shape[0], *([1] * (like.ndim - 1)))
+
+
+def add_noise(x0: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+    """``(1 - sigma) * x0 + sigma * noise`` with ``sigma`` (B,) broadcast over each sample."""
+    s = _expand(sigmas, x0)
+    return (1.0 - s) * x0 + s * noise
+
+
+def flow_matching_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The velocity target ``noise - x0`` (predictions are mapped to this convention by ``FamilySpec.predictions``)."""
+    return noise - x0
+
+
+def loss_weight(sigmas: torch.Tensor, scheme: WeightingScheme = "none") -> torch.Tensor:
+    """Per-sample loss weights (B,) via ``compute_loss_weighting_for_sd3``."""
+    if scheme not in WEIGHTING_SCHEMES:
+        raise ValueError(f"unknown loss weighting scheme {scheme!r}; expected one of {WEIGHTING_SCHEMES}")
+    return compute_loss_weighting_for_sd3(weighting_scheme=scheme, sigmas=sigmas).float()
+
+
+def flow_matching_loss(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Scalar float32 loss: per sample, the mean over elements of ``(pred - target)**2``, times that sample's weight;
+    then the mean over the batch (the diffusers flow-matching training examples' reduction)."""
+    if pred.shape != target.shape:
+        raise ValueError(f"prediction {tuple(pred.shape)} and target {tuple(target.shape)} differ in shape")
+    per_sample = (pred.float() - target.float()).pow(2).reshape(pred.shape[0], -1).mean(dim=1)
+    if weights is not None:
+        per_sample = per_sample * weights.to(device=per_sample.device, dtype=torch.float32).reshape(-1)
+    return per_sample.mean()
+
+
+def stream_losses(
+    preds: Mapping[str, torch.Tensor],
+    targets: Mapping[str, torch.Tensor],
+    weights: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """:func:`flow_matching_loss` per stream (sum them, or weight them, for the step's loss)."""
+    return {k: flow_matching_loss(preds[k], targets[k], None if weights is None else weights[k]) for k in targets}
