@@ -112,7 +112,25 @@ def test_wandb_offline_run_and_outputs(tmp_root: Path) -> None:
         assert m["tokens_per_s"] > 0 and m["peak_mem_bytes"] > 0
     layout = json.loads((out / "layout.json").read_text())
     assert "SUM over cp=2" in layout["gradient_reduction"] and layout["cp_plan"].endswith("wan.yaml")
-    assert (out / "recipe.yaml").exists() and (out / "lora" / "pytorch_lora_weights.safetensors").exists()
+    assert (out / "recipe.yaml").exists()
+
+    # The LoRA export loads into a diffusers pipeline of the same architecture, with the trained values and scale.
+    from diffusers import WanPipeline
+    from safetensors.torch import load_file
+
+    from train.tiny.pipelines import build_tiny_pipeline
+
+    pipe = WanPipeline.from_pretrained(build_tiny_pipeline("wan", out / "pipeline"))
+    pipe.load_lora_weights(out / "lora")
+    exported = load_file(out / "lora" / "pytorch_lora_weights.safetensors")
+    loaded = {n: p for n, p in pipe.transformer.named_parameters() if "lora_" in n}
+    assert len(loaded) == len(exported) > 0
+    for name, value in exported.items():  # transformer.blocks.0.attn1.to_q.lora_A.weight → ...lora_A.<adapter>.weight
+        module, kind = name.removeprefix("transformer.").rsplit(".lora_", 1)
+        match = [p for n, p in loaded.items() if n.startswith(module + ".lora_" + kind.split(".")[0] + ".")]
+        assert len(match) == 1 and torch.equal(match[0], value), name
+    lora_layer = pipe.transformer.blocks[0].attn1.to_q
+    assert lora_layer.scaling[next(iter(lora_layer.scaling))] == 8.0 / 4  # lora_alpha / rank from the recipe
 
 
 def _state(path: Path) -> dict[str, torch.Tensor]:

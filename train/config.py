@@ -271,8 +271,24 @@ class DataConfig:
     """Truncate/pad captions to this many tokens; null = the family's default."""
     synthetic: SyntheticData | None = None
     """Train on random latents/embeddings of these shapes instead of cache_dir; null = use the cache."""
+    buckets: list[str] | None = None
+    """Clip shapes FxHxW items are sorted into (most frames, then closest aspect); null = num_frames×height×width."""
+    max_bad_fraction: float = 0.1
+    """train.prepare fails when more than this fraction of the source items is unreadable or unusable."""
+    allow_upscale: bool = False
+    """Upscale media smaller than its bucket instead of skipping it as too_small."""
+    latent_sample: Literal["sample", "mode"] = "sample"
+    """Cache a seeded posterior sample (seed from train.seed and the item index) or the posterior mean."""
+    cache_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """dtype of the cached tensors; null = model.dtype."""
+    text_encoder_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """dtype the text encoders run in during prepare (the VAE always runs in fp32); null = model.dtype."""
+    split: str = "train"
+    """datasets split read when data.source is a dataset."""
+    media_column: str | None = None
+    """Column or metadata key holding the media; null = the first Image/Video feature, else file_name."""
     num_workers: int = 0
-    """DataLoader worker processes."""
+    """DataLoader worker processes (and decode threads during prepare)."""
     shuffle: bool = True
     """Shuffle sample order each epoch."""
 
@@ -288,6 +304,8 @@ class DataConfig:
             out.append(("max_text_tokens", f"must be >= 1 or null, got {self.max_text_tokens}"))
         if self.num_workers < 0:
             out.append(("num_workers", f"must be >= 0, got {self.num_workers}"))
+        if not 0.0 <= self.max_bad_fraction <= 1.0:
+            out.append(("max_bad_fraction", f"must be in [0, 1], got {self.max_bad_fraction}"))
         return out
 
 

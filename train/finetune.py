@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # --- model: load → LoRA/full → CP hooks → checkpointing → FSDP2 (one place, one order: train/parallel.py) ------
     model = load_transformer(recipe.model, spec, seed=t.seed)
-    apply_finetune(model, recipe.finetune, spec)
+    apply_finetune(model, recipe.finetune, spec, seed=t.seed)
     model.to(device)
     reduction = parallelize(
         model, mesh, cp_plan=recipe.model.cp_plan, gradient_checkpointing=t.gradient_checkpointing,
@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
         metrics.truncate_after(step)
         if dist.get_rank() == 0:
             print(f"resumed from {ckpt} at step {step}")
+    else:
+        metrics.truncate_after(0)  # a fresh run in a used output_dir starts a fresh metrics.jsonl
     print_layout(recipe, mesh, model, reduction, sum(p.numel() for p in params), out_dir)
     batches.check_contract(mesh)  # a cheap cross-rank hash of the next batch: CP peers equal, DP groups differ
 

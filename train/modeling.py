@@ -15,8 +15,8 @@ def load_transformer(cfg: ModelConfig, spec: FamilySpec, seed: int) -> torch.nn.
     """From a pretrained pipeline folder / hub id (`subfolder`), or random-init from `init_config` (tiny recipes)."""
     cls = getattr(diffusers, spec.transformer_class)
     dtype = DTYPES[cfg.dtype]
+    torch.manual_seed(seed)  # identical initial weights on every rank (random init, and anything not in a checkpoint)
     if cfg.init_config is not None:
-        torch.manual_seed(seed)  # identical initial weights on every rank
         model = cls.from_config(cfg.init_config).to(dtype)
     else:
         model = cls.from_pretrained(
@@ -26,11 +26,12 @@ def load_transformer(cfg: ModelConfig, spec: FamilySpec, seed: int) -> torch.nn.
     return model.train()
 
 
-def apply_finetune(model: torch.nn.Module, cfg: FinetuneConfig, spec: FamilySpec) -> list[str]:
+def apply_finetune(model: torch.nn.Module, cfg: FinetuneConfig, spec: FamilySpec, seed: int) -> list[str]:
     """Full: every parameter trains, in fp32 (master weights). LoRA: the base is frozen, adapters train in fp32.
 
     Returns the names of the trainable parameters.
     """
+    torch.manual_seed(seed + 1)  # LoRA A matrices are drawn at random: the same on every rank
     if cfg.method == "full":
         model.to(torch.float32).requires_grad_(True)
     else:

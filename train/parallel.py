@@ -81,6 +81,21 @@ def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [b for child in model.children() if isinstance(child, torch.nn.ModuleList) for b in child]
 
 
+def check_replicated(model: torch.nn.Module) -> None:
+    """Every rank must start from the same weights (FSDP2 shards each rank's own copy and never broadcasts): compare
+    a cheap fingerprint of all parameters across the world before anything is sharded."""
+    with torch.no_grad():
+        fp = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
+        for i, p in enumerate(model.parameters()):
+            x = p.detach().double()
+            fp[0] += x.sum() * (1 + i % 7)
+            fp[1] += x.square().sum()
+    seen = [torch.zeros_like(fp) for _ in range(dist.get_world_size())]
+    dist.all_gather(seen, fp)
+    if any(not torch.equal(s, seen[0]) for s in seen):
+        raise RuntimeError("ranks hold different initial weights (seed every rank alike before creating parameters)")
+
+
 def parallelize(
     model: torch.nn.Module,
     mesh: Mesh,
@@ -102,6 +117,7 @@ def parallelize(
 
     Returns the gradient reduction in force; its self-check has already passed.
     """
+    check_replicated(model)
     if mesh.dims.cp > 1:
         enable_context_parallel(model, mesh=mesh.cp, plan=cp_plan, for_training=True)
     if gradient_checkpointing:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from ..config import Recipe
 from ..models.spec import FamilySpec
-from .sampler import BucketBatchSampler, collate
+from .dataset import BucketBatchSampler, CachedLatentDataset, collate
 from .synthetic_latents import SyntheticLatentDataset
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -26,8 +26,6 @@ def build_dataset(recipe: Recipe, spec: FamilySpec):
                                       DTYPES[recipe.model.dtype])  # fmt: skip
     if data.cache_dir is None:
         raise ValueError("set data.cache_dir (written by `python -m train.prepare`) or data.synthetic")
-    from .dataset import CachedLatentDataset
-
     return CachedLatentDataset(data.cache_dir)
 
 

@@ -1,0 +1,225 @@
+"""A small, real media set for tests and demos: clips of moving coloured shapes, still images, captions that say what
+they show, and (on request) deliberately bad items.
+
+    items = make_media_set("demo_media", num_videos=8, num_images=2, frames=17, height=64, width=96)
+    # demo_media/clip_000.mp4, ..., demo_media/image_000.png, ..., demo_media/metadata.jsonl
+
+`metadata.jsonl` follows the `datasets` imagefolder/videofolder convention: one JSON object per line with
+`file_name` (relative to the folder) and the caption column (`text` by default). Captions are exact descriptions
+("a red square moving left on a black background"), generated from a seeded RNG, so a set is reproducible.
+
+Codecs: `libx264rgb` (CRF 0, RGB) is lossless and the default; `libx264` (yuv420p, CRF 18) is what real clips look
+like (about 1.7/255 mean round-trip error from chroma subsampling); `ffv1` in `.mkv` is lossless too (its container
+header carries no frame count, a useful edge case).
+
+Bad items (`bad=`) for the prepare tests, each with the reason `train.prepare` must report:
+    corrupt      random bytes with a .mp4 name                        -> unreadable
+    missing      a metadata line whose file does not exist            -> unreadable
+    short        a 3-frame clip                                       -> too_short
+    no_caption   a good clip whose caption is missing / empty         -> no_caption
+    small        a 16x16 image                                        -> too_small
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["BAD_KINDS", "COLORS", "caption_for", "make_media_set", "render_clip", "write_image", "write_video"]
+
+COLORS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 40, 40),
+    "green": (40, 200, 60),
+    "blue": (40, 80, 230),
+    "yellow": (235, 220, 40),
+    "white": (245, 245, 245),
+    "purple": (150, 50, 200),
+    "orange": (245, 140, 30),
+}
+BACKGROUNDS: dict[str, tuple[int, int, int]] = {"black": (10, 10, 10), "gray": (110, 110, 110)}
+SHAPES = ("square", "circle", "triangle")
+DIRECTIONS: dict[str, tuple[int, int]] = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
+BAD_KINDS: dict[str, str] = {
+    "corrupt": "unreadable",
+    "missing": "unreadable",
+    "short": "too_short",
+    "no_caption": "no_caption",
+    "small": "too_small",
+}
+
+
+def caption_for(shape: str, color: str, direction: str | None, background: str) -> str:
+    motion = f" moving {direction}" if direction else ""
+    return f"a {color} {shape}{motion} on a {background} background"
+
+
+def _draw(canvas: np.ndarray, shape: str, color: tuple[int, int, int], cx: float, cy: float, r: float) -> None:
+    h, w = canvas.shape[:2]
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32) + 0.5
+    if shape == "square":
+        mask = (np.abs(xx - cx) <= r) & (np.abs(yy - cy) <= r)
+    elif shape == "circle":
+        mask = (xx - cx) ** 2 + (yy - cy) ** 2 <= r * r
+    elif shape == "triangle":  # apex up: inside when below the apex and within the widening sides
+        dy = yy - (cy - r)
+        mask = (dy >= 0) & (yy <= cy + r) & (np.abs(xx - cx) <= dy / 2)
+    else:
+        raise ValueError(f"unknown shape {shape!r}; choose from {SHAPES}")
+    canvas[mask] = color
+
+
+def render_clip(
+    shape: str,
+    color: str,
+    direction: str | None,
+    background: str = "black",
+    *,
+    frames: int = 17,
+    height: int = 64,
+    width: int = 96,
+    speed: float = 2.0,
+) -> np.ndarray:
+    """uint8 (frames, height, width, 3): the shape moving `speed` pixels per frame in `direction` (None = still)."""
+    r = max(2.0, min(height, width) / 6)
+    dx, dy = DIRECTIONS[direction] if direction else (0, 0)
+    # start so that the whole path stays in view
+    span = speed * (frames - 1)
+    cx0 = width / 2 - dx * span / 2
+    cy0 = height / 2 - dy * span / 2
+    out = np.empty((frames, height, width, 3), dtype=np.uint8)
+    for t in range(frames):
+        out[t] = BACKGROUNDS[background]
+        _draw(out[t], shape, COLORS[color], cx0 + dx * speed * t, cy0 + dy * speed * t, r)
+    return out
+
+
+def write_video(path: str | Path, frames: np.ndarray, fps: float = 16, codec: str = "libx264rgb") -> Path:
+    """Encode uint8 (F, H, W, 3) frames with PyAV. codec: libx264rgb (lossless), libx264 (yuv420p), ffv1 (.mkv)."""
+    import av
+
+    path = Path(path)
+    options, pix_fmt = {}, "yuv420p"
+    if codec == "libx264rgb":
+        options, pix_fmt = {"crf": "0"}, "rgb24"
+    elif codec == "libx264":
+        options = {"crf": "18"}
+    elif codec == "ffv1":
+        pix_fmt = "bgr0"
+    elif codec == "libx264-444":
+        codec, options, pix_fmt = "libx264", {"crf": "0"}, "yuv444p"
+    from fractions import Fraction
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=Fraction(fps).limit_denominator(1001))
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt = pix_fmt
+        stream.options = options
+        for f in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")))
+        container.mux(stream.encode())
+    return path
+
+
+def write_image(path: str | Path, image: np.ndarray) -> Path:
+    from PIL import Image
+
+    path = Path(path)
+    Image.fromarray(image).save(path)
+    return path
+
+
+def make_media_set(
+    root: str | Path,
+    *,
+    num_videos: int = 8,
+    num_images: int = 0,
+    frames: int = 17,
+    height: int = 64,
+    width: int = 96,
+    fps: float = 16,
+    codec: str = "libx264rgb",
+    bad: Iterable[str] = (),
+    caption_column: str = "text",
+    metadata: str = "jsonl",
+    seed: int = 0,
+    sizes: Sequence[tuple[int, int]] | None = None,
+) -> list[dict]:
+    """Write clips, images, bad items and metadata.jsonl (or .csv) under `root`; return the metadata rows.
+
+    Good rows come first (videos, then images), bad rows after them in the order given. `sizes`, when set, cycles
+    (height, width) over the good items (for bucketing tests). Each row also carries `expect` (the reason prepare
+    should report, or "ok"), which the prepare code ignores.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    ext = ".mkv" if codec == "ffv1" else ".mp4"
+    rows: list[dict] = []
+
+    def pick() -> tuple[str, str, str, str]:
+        return (
+            str(rng.choice(SHAPES)),
+            str(rng.choice(list(COLORS))),
+            str(rng.choice(list(DIRECTIONS))),
+            str(rng.choice(list(BACKGROUNDS))),
+        )
+
+    for i in range(num_videos + num_images):
+        h, w = sizes[i % len(sizes)] if sizes else (height, width)
+        shape, color, direction, bg = pick()
+        if i < num_videos:
+            clip = render_clip(shape, color, direction, bg, frames=frames, height=h, width=w)
+            name = f"clip_{i:03d}{ext}"
+            write_video(root / name, clip, fps, codec)
+            text = caption_for(shape, color, direction, bg)
+        else:
+            name = f"image_{i - num_videos:03d}.png"
+            write_image(root / name, render_clip(shape, color, None, bg, frames=1, height=h, width=w)[0])
+            text = caption_for(shape, color, None, bg)
+        rows.append({"file_name": name, caption_column: text, "expect": "ok"})
+
+    for j, kind in enumerate(bad):
+        if kind not in BAD_KINDS:
+            raise ValueError(f"unknown bad item kind {kind!r}; choose from {sorted(BAD_KINDS)}")
+        shape, color, direction, bg = pick()
+        text = caption_for(shape, color, direction, bg)
+        name = f"bad_{j:02d}_{kind}{ext}"
+        if kind == "corrupt":
+            (root / name).write_bytes(rng.integers(0, 256, 4096, dtype=np.uint8).tobytes())
+        elif kind == "short":
+            write_video(
+                root / name, render_clip(shape, color, direction, bg, frames=3, height=height, width=width), fps, codec
+            )
+        elif kind == "no_caption":
+            write_video(
+                root / name,
+                render_clip(shape, color, direction, bg, frames=frames, height=height, width=width),
+                fps,
+                codec,
+            )
+            text = ""
+        elif kind == "small":
+            name = f"bad_{j:02d}_small.png"
+            write_image(root / name, render_clip(shape, color, None, bg, frames=1, height=16, width=16)[0])
+        row = {"file_name": name, caption_column: text, "expect": BAD_KINDS[kind]}
+        if kind == "no_caption" and j % 2 == 0:
+            del row[caption_column]  # missing key and empty string are both "no caption"
+        rows.append(row)
+
+    if metadata == "jsonl":
+        with open(root / "metadata.jsonl", "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    elif metadata == "csv":
+        import csv
+
+        with open(root / "metadata.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["file_name", caption_column, "expect"])
+            writer.writeheader()
+            writer.writerows(rows)
+    else:
+        raise ValueError(f"metadata must be 'jsonl' or 'csv', got {metadata!r}")
+    return rows

@@ -1,0 +1,590 @@
+"""Encode media + captions into the latent cache the trainer reads (format: `train.data.dataset`).
+
+    python -m train.prepare --recipe recipes/wan/1.3b_lora.yaml [--set data.cache_dir=/data/cache/wan480]
+    accelerate launch --num_processes 8 -m train.prepare --recipe ...     # items sharded across processes by rank
+
+Reads `data.source` (a folder with metadata.jsonl / metadata.csv or per-file .txt/.json caption sidecars, a single
+metadata file, or a `datasets` name/path), loads the family's VAE and text encoder(s) from `model.pretrained_path` the
+way its diffusers pipeline does, and writes one safetensors file per good item, the empty caption's embeddings and a
+manifest. What it does per item (rank r of W takes items r, r + W, ...):
+
+    caption present? -> probe -> bucket -> decode + resize/crop (PyAV/PIL, `train.data.media`) -> VAE -> text encoder
+    -> samples/<index:06d>.safetensors (temp file + rename, so a killed run never leaves a half-written sample)
+
+Bad items (unreadable/corrupt, too short, too small, no caption) are skipped, counted and listed in the manifest; the
+run fails if they are more than `data.max_bad_fraction` of the source. Resumable: items whose sample file exists are
+not encoded again (their metadata is re-read), and a resumed run must use the same settings (prepare_config.json).
+Latents are sampled from the VAE posterior with a generator seeded by (train.seed, item index) (`data.latent_sample:
+sample`, the pipelines' own default) or taken as its mean (`mode`), so a resumed or re-sharded run writes the same
+tensors as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from train.config import Recipe, add_recipe_args, recipe_from_args
+from train.data.dataset import CACHE_FORMAT, CACHE_VERSION, sample_path
+from train.data.families import get_encoder
+from train.data.media import (
+    IMAGE_EXTENSIONS,
+    VIDEO_EXTENSIONS,
+    BadMediaError,
+    Bucket,
+    choose_bucket,
+    load_clip,
+    probe,
+    to_model_input,
+)
+
+__all__ = [
+    "PrepareError",
+    "PrepareSettings",
+    "SourceItem",
+    "check_geometry",
+    "item_seed",
+    "list_source",
+    "main",
+    "prepare",
+    "settings_from_recipe",
+    "summary",
+]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MEDIA_KEYS = ("file_name", "video", "image", "path", "file", "media")
+
+
+class PrepareError(ValueError):
+    """The source or the settings cannot give a usable cache (too many bad items, no items, changed settings)."""
+
+
+# ------------------------------------------------------------------------------------------------------------ settings
+
+
+@dataclass(frozen=True)
+class PrepareSettings:
+    """Everything prepare depends on, resolved from a recipe (data.* fields, some proposed: read with defaults)."""
+
+    family: str
+    pretrained_path: str
+    revision: str | None
+    source: str
+    cache_dir: str
+    caption_column: str = "text"
+    media_column: str | None = None
+    split: str = "train"
+    buckets: tuple[str, ...] = ("1x512x512",)
+    fps: float | None = None
+    max_text_tokens: int | None = None
+    latent_sample: str = "sample"
+    seed: int = 42
+    cache_dtype: str = "bfloat16"
+    text_encoder_dtype: str = "bfloat16"
+    allow_upscale: bool = False
+    max_bad_fraction: float = 0.1
+    prefetch: int = 2
+    progress_bar: bool = True
+
+    # Settings that change what is written; a resumed prepare must match them.
+    FINGERPRINT = (
+        "family", "pretrained_path", "revision", "source", "split", "media_column", "caption_column", "buckets",
+        "fps", "max_text_tokens", "latent_sample", "seed", "cache_dtype", "text_encoder_dtype", "allow_upscale",
+    )  # fmt: skip
+
+    def fingerprint(self) -> dict[str, Any]:
+        d = asdict(self)
+        return {k: list(d[k]) if isinstance(d[k], tuple) else d[k] for k in self.FINGERPRINT}
+
+
+def settings_from_recipe(recipe: Recipe, **overrides: Any) -> PrepareSettings:
+    """Resolve the prepare settings of a recipe; keyword overrides replace fields (tests, or not-yet-schema fields)."""
+    data, model = recipe.data, recipe.model
+    buckets = data.buckets or [f"{data.num_frames}x{data.height}x{data.width}"]
+    kw: dict[str, Any] = dict(
+        family=model.family,
+        pretrained_path=model.pretrained_path,
+        revision=model.revision,
+        source=data.source,
+        cache_dir=data.cache_dir,
+        caption_column=data.caption_column,
+        media_column=data.media_column,
+        split=data.split,
+        buckets=tuple(str(Bucket.parse(b)) for b in buckets),
+        fps=data.fps,
+        max_text_tokens=data.max_text_tokens,
+        latent_sample=data.latent_sample,
+        seed=recipe.train.seed,
+        cache_dtype=data.cache_dtype or model.dtype,
+        text_encoder_dtype=data.text_encoder_dtype or model.dtype,
+        allow_upscale=data.allow_upscale,
+        max_bad_fraction=data.max_bad_fraction,
+        prefetch=max(1, data.num_workers),
+        progress_bar=recipe.logging.progress_bar,
+    )
+    kw.update(overrides)
+    if "buckets" in overrides:
+        kw["buckets"] = tuple(str(Bucket.parse(str(b))) for b in overrides["buckets"])
+    required = {
+        "cache_dir": "data.cache_dir: set the folder to write the cache to",
+        "source": "data.source: set a media folder, metadata file or datasets name",
+        "pretrained_path": "model.pretrained_path: set the pipeline folder/hub id holding the VAE and text encoders",
+    }
+    problems = [why for key, why in required.items() if kw[key] is None]
+    if problems:
+        raise PrepareError("cannot prepare:\n  " + "\n  ".join(problems))
+    if kw["latent_sample"] not in ("sample", "mode"):
+        raise PrepareError(f"data.latent_sample must be 'sample' or 'mode', got {kw['latent_sample']!r}")
+    for key in ("cache_dtype", "text_encoder_dtype"):
+        if kw[key] not in DTYPES:
+            raise PrepareError(f"data.{key} must be one of {sorted(DTYPES)}, got {kw[key]!r}")
+    if not 0 <= kw["max_bad_fraction"] <= 1:
+        raise PrepareError(f"data.max_bad_fraction must be in [0, 1], got {kw['max_bad_fraction']}")
+    return PrepareSettings(**kw)
+
+
+def check_geometry(settings: PrepareSettings) -> None:
+    """Raise ValueError at startup when a bucket has a size the family's VAE/transformer cannot take."""
+    encoder = get_encoder(settings.family)
+    geometry = encoder.geometry(settings.pretrained_path, settings.revision)
+    geometry.check([Bucket.parse(b) for b in settings.buckets])
+    encoder.text_tokens(settings.max_text_tokens)  # ChronoEdit: a fixed text length
+
+
+# -------------------------------------------------------------------------------------------------------------- source
+
+
+@dataclass
+class SourceItem:
+    index: int
+    media: Any
+    """A path, or a {"path", "bytes"} cell of a `datasets` row."""
+    caption: str | None
+    name: str
+    """How reports name the item: the file relative to the source folder, or `<dataset>[<split>][<row>]`."""
+
+
+class _Listing:
+    """Indexable items of a source (a datasets source fetches rows lazily)."""
+
+    def __init__(self, n: int, get: Callable[[int], SourceItem]) -> None:
+        self._n, self._get = n, get
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> SourceItem:
+        return self._get(i)
+
+
+def _pick_media_key(row_keys: Iterable[str], media_column: str | None, where: str) -> str:
+    keys = list(row_keys)
+    if media_column is not None:
+        if media_column not in keys:
+            raise PrepareError(f"{where}: no column {media_column!r} (data.media_column); columns: {keys}")
+        return media_column
+    for k in MEDIA_KEYS:
+        if k in keys:
+            return k
+    raise PrepareError(f"{where}: no media column among {keys}; name it file_name, or set data.media_column")
+
+
+def _caption(value: Any) -> str | None:
+    return value if isinstance(value, str) and value.strip() else None
+
+
+def _folder_listing(root: Path, meta: Path | None, caption_column: str, media_column: str | None) -> _Listing:
+    items: list[SourceItem] = []
+    if meta is not None:
+        if meta.suffix == ".jsonl":
+            rows = [json.loads(line) for line in meta.read_text().splitlines() if line.strip()]
+        else:
+            with open(meta, newline="") as f:
+                rows = list(csv.DictReader(f))
+        if not rows:
+            raise PrepareError(f"{meta}: no rows")
+        key = _pick_media_key(rows[0].keys(), media_column, str(meta))
+        for i, row in enumerate(rows):
+            rel = str(row.get(key) or "")
+            items.append(SourceItem(i, str(root / rel), _caption(row.get(caption_column)), rel or f"row {i}"))
+    else:  # media files with caption sidecars: clip.mp4 + clip.txt (the caption) or clip.json ({caption_column: ...})
+        files = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS)
+        for i, p in enumerate(files):
+            caption = None
+            if p.with_suffix(".txt").is_file():
+                caption = p.with_suffix(".txt").read_text()
+            elif p.with_suffix(".json").is_file():
+                caption = json.loads(p.with_suffix(".json").read_text()).get(caption_column)
+            items.append(SourceItem(i, str(p), _caption(caption), str(p.relative_to(root))))
+    return _Listing(len(items), items.__getitem__)
+
+
+def _datasets_listing(name: str, split: str, caption_column: str, media_column: str | None) -> _Listing:
+    import datasets
+
+    ds = datasets.load_dataset(name, split=split)
+    media_features = [k for k, f in ds.features.items() if isinstance(f, (datasets.Image, datasets.Video))]
+    key = media_column or (media_features[0] if media_features else None)
+    key = _pick_media_key(ds.column_names, key, f"dataset {name} [{split}]")
+    feature = ds.features[key]
+    if isinstance(feature, (datasets.Image, datasets.Video)):
+        # decode=False: rows carry {"path", "bytes"}; PyAV/PIL decode them (datasets' Video() needs torchcodec)
+        ds = ds.cast_column(key, type(feature)(decode=False))
+    if caption_column not in ds.column_names:
+        raise PrepareError(f"dataset {name} [{split}]: no caption column {caption_column!r}; columns {ds.column_names}")
+
+    def get(i: int) -> SourceItem:
+        row = ds[i]
+        return SourceItem(i, row[key], _caption(row[caption_column]), f"{name}[{split}][{i}]")
+
+    return _Listing(len(ds), get)
+
+
+def list_source(
+    source: str, caption_column: str = "text", media_column: str | None = None, split: str = "train"
+) -> _Listing:
+    """The items of `source`: a folder (metadata.jsonl, metadata.csv, or sidecar captions), a metadata file, or a
+    `datasets` name/path (load_dataset). Index i is the item's position; sample files are named after it."""
+    path = Path(source)
+    if path.is_file() and path.suffix in (".jsonl", ".csv"):
+        return _folder_listing(path.parent, path, caption_column, media_column)
+    if path.is_dir():
+        metas = [path / n for n in ("metadata.jsonl", "metadata.csv") if (path / n).is_file()]
+        if metas or any(p.suffix.lower() in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS for p in path.rglob("*")):
+            return _folder_listing(path, metas[0] if metas else None, caption_column, media_column)
+    return _datasets_listing(source, split, caption_column, media_column)  # a hub name or a parquet/arrow folder
+
+
+# ---------------------------------------------------------------------------------------------------------- processes
+
+
+@dataclass
+class _Procs:
+    rank: int = 0
+    world: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    barrier: Callable[[], None] = lambda: None
+
+    @classmethod
+    def current(cls) -> _Procs:
+        """accelerate's PartialState when launched on several processes (torchrun/accelerate launch), else one."""
+        gpu = torch.cuda.is_available()
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            from accelerate import PartialState
+
+            state = PartialState(cpu=not gpu)
+            return cls(state.process_index, state.num_processes, state.device, state.wait_for_everyone)
+        return cls(device=torch.device("cuda") if gpu else torch.device("cpu"))
+
+
+# ------------------------------------------------------------------------------------------------------------- prepare
+
+
+def item_seed(seed: int, index: int) -> int:
+    """Seed of the generator that samples item `index`'s VAE posterior (data.latent_sample: sample)."""
+    return (seed * 1_000_003 + index) % (2**63)
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+def _cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Floating tensors with a shape go to the cache dtype (scalars such as frame_rate stay float32), all to CPU."""
+    return {k: (v.to(dtype) if v.is_floating_point() and v.dim() > 0 else v).detach().cpu() for k, v in tensors.items()}
+
+
+def _prefetched(fn: Callable[[SourceItem], Any], items: Iterable[SourceItem], depth: int) -> Iterator[tuple]:
+    """(item, fn(item)) in order, with up to `depth` items decoded ahead in threads (PyAV releases the GIL)."""
+    with ThreadPoolExecutor(max_workers=depth) as pool:
+        pending: deque = deque()
+        it = iter(items)
+        for item in it:
+            pending.append((item, pool.submit(fn, item)))
+            if len(pending) >= depth:
+                break
+        while pending:
+            item, fut = pending.popleft()
+            nxt = next(it, None)
+            if nxt is not None:
+                pending.append((nxt, pool.submit(fn, nxt)))
+            yield item, fut.result()
+
+
+def _check_fingerprint(cache: Path, settings: PrepareSettings) -> None:
+    path = cache / "prepare_config.json"
+    if path.is_file():
+        old = json.loads(path.read_text())
+        diff = {k: (old.get(k), v) for k, v in settings.fingerprint().items() if old.get(k) != v}
+        if diff:
+            lines = [f"{k}: cache has {a!r}, now {b!r}" for k, (a, b) in diff.items()]
+            raise PrepareError(
+                f"{cache} holds a cache prepared with other settings (delete it or use another data.cache_dir):\n  "
+                + "\n  ".join(lines)
+            )
+
+
+def prepare(
+    recipe: Recipe | None = None,
+    *,
+    settings: PrepareSettings | None = None,
+    stop_after: int | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Fill the cache; returns the manifest (or, when stopped by `stop_after`, a partial summary without one).
+
+    `stop_after=k` encodes at most k new items on each process and returns without writing the manifest, as an
+    interrupted run would (tests and smoke runs); a later run without it resumes and finishes the cache.
+    """
+    settings = settings or settings_from_recipe(recipe)
+    t_start = time.perf_counter()
+    check_geometry(settings)  # impossible sizes fail before anything is loaded
+    procs = _Procs.current()
+    cache = Path(settings.cache_dir)
+    _check_fingerprint(cache, settings)
+    listing = list_source(settings.source, settings.caption_column, settings.media_column, settings.split)
+    if len(listing) == 0:
+        raise PrepareError(f"{settings.source}: no items")
+    if procs.rank == 0:
+        (cache / "samples").mkdir(parents=True, exist_ok=True)
+        tmp = cache / ".prepare_config.json.tmp"
+        tmp.write_text(json.dumps(settings.fingerprint(), indent=2) + "\n")
+        os.replace(tmp, cache / "prepare_config.json")
+        (cache / "manifest.json").unlink(missing_ok=True)  # the manifest marks a complete cache
+    procs.barrier()
+
+    encoder = get_encoder(settings.family)
+    encoder.load(
+        settings.pretrained_path,
+        revision=settings.revision,
+        device=procs.device,
+        text_dtype=DTYPES[settings.text_encoder_dtype],
+    )
+    text_tokens = encoder.text_tokens(settings.max_text_tokens)
+    load_seconds = time.perf_counter() - t_start
+    buckets = [Bucket.parse(b) for b in settings.buckets]
+    dtype = DTYPES[settings.cache_dtype]
+    common_meta = {"family": settings.family}
+
+    with torch.inference_mode():
+        if procs.rank == 0 and not (cache / "empty_prompt.safetensors").exists():
+            empty = _cast(encoder.encode_text("", text_tokens), dtype)
+            _atomic_save(empty, cache / "empty_prompt.safetensors", {**common_meta, "caption": ""})
+
+        def load(item: SourceItem):
+            if sample_path(cache, item.index).exists():
+                return "reuse", None
+            if item.caption is None:
+                return "bad", BadMediaError("no_caption", f"{item.name}: caption ({settings.caption_column}) missing")
+            try:
+                info = probe(item.media)
+                bucket = choose_bucket(info, buckets, settings.fps)
+                clip = load_clip(item.media, bucket, settings.fps, allow_upscale=settings.allow_upscale, info=info)
+                return "ok", (bucket, clip, settings.fps or info.fps)
+            except BadMediaError as e:
+                return "bad", e
+
+        my_indices = range(procs.rank, len(listing), procs.world)
+        mine = (listing[i] for i in my_indices)  # lazily: a datasets row may carry the media bytes
+        records: list[dict[str, Any]] = []
+        new = 0
+        bar = None
+        if procs.rank == 0 and settings.progress_bar:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(my_indices), desc=f"prepare {settings.family}", unit="item")
+        for item, (status, payload) in _prefetched(load, mine, settings.prefetch):
+            path = sample_path(cache, item.index)
+            if status == "reuse":
+                records.append(_reused_record(cache, item))
+            elif status == "bad":
+                records.append(
+                    {"index": item.index, "source": item.name, "reason": payload.reason, "detail": payload.detail}
+                )
+            else:
+                if stop_after is not None and new >= stop_after:
+                    break
+                bucket, clip, fps = payload
+                gen = None
+                if settings.latent_sample == "sample":
+                    gen = torch.Generator(procs.device).manual_seed(item_seed(settings.seed, item.index))
+                tensors = encoder.encode_media(to_model_input(clip), gen, settings.latent_sample, fps)
+                tensors.update(encoder.encode_text(item.caption, text_tokens))
+                meta = {
+                    **common_meta,
+                    "caption": item.caption,
+                    "source": item.name,
+                    "bucket": str(bucket),
+                    "index": str(item.index),
+                }
+                _atomic_save(_cast(tensors, dtype), path, meta)
+                new += 1
+                records.append(_ok_record(item, bucket, int(tensors["prompt_embeds"].shape[0]), reused=False))
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+
+    seconds = time.perf_counter() - t_start
+    if stop_after is not None:  # every process returns here, so none waits at a barrier for a stopped one
+        return {"interrupted": True, "new": new, "records": records, "seconds": seconds, "rank": procs.rank}
+
+    parts = cache / ".prepare"
+    parts.mkdir(exist_ok=True)
+    part = {"rank": procs.rank, "records": records, "seconds": seconds, "load_seconds": load_seconds, "new": new}
+    (parts / f"rank{procs.rank}-of-{procs.world}.json").write_text(json.dumps(part))
+    procs.barrier()
+    all_parts = [json.loads((parts / f"rank{r}-of-{procs.world}.json").read_text()) for r in range(procs.world)]
+    manifest = _manifest(settings, cache, all_parts, len(listing), procs.world, text_tokens)
+    if procs.rank == 0:
+        tmp = cache / ".manifest.json.tmp"
+        tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+        os.replace(tmp, cache / "manifest.json")
+        log(summary(manifest, cache))
+    procs.barrier()
+    counts = manifest["counts"]
+    if counts["bad"] > settings.max_bad_fraction * counts["total"]:
+        raise PrepareError(
+            f"{counts['bad']} of {counts['total']} items are bad ({_reasons(counts['bad_by_reason'])}), more than "
+            f"data.max_bad_fraction = {settings.max_bad_fraction}; see 'bad' in {cache / 'manifest.json'}"
+        )
+    return manifest
+
+
+def _ok_record(item: SourceItem, bucket: Bucket | str, text_len: int, reused: bool) -> dict[str, Any]:
+    file = sample_path("", item.index).as_posix()
+    return {"index": item.index, "file": file, "bucket": str(bucket), "caption": item.caption, "source": item.name,
+            "text_len": text_len, "reused": reused}  # fmt: skip
+
+
+def _reused_record(cache: Path, item: SourceItem) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    with safe_open(str(sample_path(cache, item.index)), "pt") as f:
+        meta = f.metadata() or {}
+        text_len = f.get_slice("prompt_embeds").get_shape()[0]
+    if meta.get("source") != item.name:
+        raise PrepareError(
+            f"{sample_path(cache, item.index)} was written for {meta.get('source')!r} but item {item.index} is now "
+            f"{item.name!r}: the source listing changed; prepare into a new data.cache_dir"
+        )
+    return _ok_record(item, meta["bucket"], text_len, reused=True) | {"caption": meta.get("caption", item.caption)}
+
+
+def _tensor_info(path: Path) -> dict[str, dict[str, Any]]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        out = {}
+        for k in f.keys():
+            s = f.get_slice(k)
+            out[k] = {"shape": list(s.get_shape()), "dtype": s.get_dtype()}
+        return out
+
+
+def _manifest(
+    settings: PrepareSettings, cache: Path, parts: Sequence[dict], total: int, world: int, text_tokens: int
+) -> dict[str, Any]:
+    records = sorted((r for p in parts for r in p["records"]), key=lambda r: r["index"])
+    ok = [r for r in records if "reason" not in r]
+    bad = [r for r in records if "reason" in r]
+    buckets = Counter(r["bucket"] for r in ok)
+    first_of = {}
+    for r in ok:
+        first_of.setdefault(r["bucket"], r["file"])
+    empty_len = _tensor_info(cache / "empty_prompt.safetensors")["prompt_embeds"]["shape"][0]
+    seconds = max(p["seconds"] for p in parts)
+    encode_seconds = max(p["seconds"] - p["load_seconds"] for p in parts)
+    new = sum(p["new"] for p in parts)
+    return {
+        "format": CACHE_FORMAT,
+        "version": CACHE_VERSION,
+        "family": settings.family,
+        "pretrained_path": settings.pretrained_path,
+        "settings": settings.fingerprint(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "counts": {
+            "total": total,
+            "ok": len(ok),
+            "bad": len(bad),
+            "bad_by_reason": dict(sorted(Counter(r["reason"] for r in bad).items())),
+            "new": new,
+            "reused": len(ok) - new,
+        },
+        "buckets": dict(sorted(buckets.items())),
+        "tensors": {b: _tensor_info(cache / f) for b, f in sorted(first_of.items())},
+        "text": {"max_tokens": text_tokens, "longest": max([empty_len, *(r["text_len"] for r in ok)])},
+        "empty_prompt": "empty_prompt.safetensors",
+        "samples": [{k: r[k] for k in ("index", "file", "bucket", "caption", "source")} for r in ok],
+        "bad": bad,
+        "timing": {
+            "seconds": round(seconds, 3),
+            "load_seconds": round(max(p["load_seconds"] for p in parts), 3),
+            "per_rank_seconds": [round(p["seconds"], 3) for p in parts],
+            "new_items_per_second": round(new / encode_seconds, 3) if new and encode_seconds > 0 else None,
+            "processes": world,
+        },
+    }
+
+
+def _reasons(by_reason: dict[str, int]) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in by_reason.items()) or "none"
+
+
+def summary(manifest: dict[str, Any], cache: Path | str) -> str:
+    """The human summary printed at the end of a prepare run."""
+    c, t = manifest["counts"], manifest["timing"]
+    buckets = ", ".join(f"{b}: {n}" for b, n in manifest["buckets"].items()) or "none"
+    lines = [
+        f"prepared {manifest['family']} cache at {cache}",
+        f"  items    {c['total']} total, {c['ok']} ok ({c['new']} new, {c['reused']} reused), {c['bad']} bad "
+        f"({_reasons(c['bad_by_reason'])})",
+        f"  buckets  {buckets}",
+        f"  time     {t['seconds']:.1f} s on {t['processes']} process(es) (loading {t['load_seconds']:.1f} s)"
+        + (f", {t['new_items_per_second']:.2f} new items/s after loading" if t["new_items_per_second"] else ""),
+    ]
+    for r in manifest["bad"][:20]:
+        lines.append(f"  bad      {r['reason']}: {r['detail']}")
+    if len(manifest["bad"]) > 20:
+        lines.append(f"  bad      ... {len(manifest['bad']) - 20} more in manifest.json")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m train.prepare",
+        description="Encode data.source into the latent cache at data.cache_dir (see train/prepare.py).",
+    )
+    add_recipe_args(parser)
+    parser.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        metavar="N",
+        help="encode at most N new items per process, then stop without writing the manifest (a later run resumes)",
+    )
+    args = parser.parse_args(argv)
+    recipe = recipe_from_args(args)
+    try:
+        prepare(recipe, stop_after=args.stop_after)
+    except ValueError as e:  # PrepareError, impossible sizes, unsupported family: a message, not a traceback
+        raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    main()
