@@ -111,7 +111,38 @@ def _attention_cases(rank: int, world: int) -> dict:
     lse = _lse_case(rank, world, cfg)
     stats = get_transport().stats.sites
     calls = {site: stats[site].calls for site in ("qkv", "d_qkv")}
-    return {"errors": errors, "lse": lse, "calls": calls, "stock_mask_error": _stock_mask_error(rank, world, cfg)}
+    registry = _registry_cases(rank, world, cfg)
+    return {"errors": errors, "lse": lse, "calls": calls, "stock_mask_error": _stock_mask_error(rank, world, cfg),
+            "registry": registry}  # fmt: skip
+
+
+def _registry_cases(rank: int, world: int, cfg) -> dict:
+    """Size exchanges with the layout registry: a verified layout skips the exchange on later identical forwards; a
+    registry that explains the lengths wrongly never gets trusted (verification fails on every rank alike)."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
+
+    from train.cp.layout import REGISTRY
+
+    out = {}
+    # "misleading": 12 tokens split outside the hooks while the registry holds an 11-token partition, which one
+    # rank's length matches: inference would be wrong on some ranks, so verification must fail on all.
+    for name, recorded, seq in (("right", (13, 9), 13), ("misleading", (11,), 12)):
+        exchanges, errors = [], []
+        for _ in range(3):  # three "forwards" with identical shapes
+            REGISTRY.reset(enabled=True)
+            for length in recorded:  # what the split hooks would record
+                REGISTRY.record(length, world)
+            gen = torch.Generator().manual_seed(5)
+            q, k, v = (torch.randn(1, seq, 7, 8, generator=gen) for _ in range(3))
+            ref = _serial(q, k, v, None)
+            shard = lambda t: t.tensor_split(world, dim=1)[rank]  # noqa: E731
+            before = REGISTRY.exchanges
+            y = dispatch_attention_fn(shard(q), shard(k), shard(v), backend=AttentionBackendName.NATIVE,
+                                      parallel_config=cfg)  # fmt: skip
+            exchanges.append(REGISTRY.exchanges - before)
+            errors.append((y - shard(ref)).abs().max().item())
+        out[name] = {"exchanges": exchanges, "max_error": max(errors)}
+    return out
 
 
 def _stock_mask_error(rank: int, world: int, cfg) -> float:
@@ -191,5 +222,9 @@ def test_ulysses_anything_matches_serial(world: int) -> None:
         assert not lse["lse_requires_grad"]
         # The CP path really ran: one fused Q/K/V all-to-all per forward and one dQ/dK/dV all-to-all per backward.
         assert res["calls"] == {"qkv": 2 * len(CASES) + 1, "d_qkv": 2 * len(CASES) + 1}
+        # Verified once, then no size exchange; a misleading registry is never trusted; results exact either way.
+        assert res["registry"]["right"] == {"exchanges": [1, 0, 0], "max_error": 0.0}, res["registry"]
+        assert res["registry"]["misleading"]["exchanges"] == [1, 1, 1], res["registry"]
+        assert res["registry"]["misleading"]["max_error"] <= 1e-6
         if world in (3, 4):  # 13 keys split [5,4,4] / [4,3,3,3]: diffusers' stock mask assembly is wrong there
             assert res["stock_mask_error"] > 0.1, res["stock_mask_error"]

@@ -23,8 +23,18 @@ from safetensors.torch import load_file
 
 from train.config import recipe_from_dict
 from train.data.dataset import BucketBatchSampler, CachedLatentDataset, collate, read_manifest
-from train.data.media import BadMediaError, Bucket, Geometry, load_clip, load_item, probe
-from train.data.synthetic_media import COLORS, make_media_set, render_clip, write_image, write_video
+from train.data.families import get_encoder
+from train.data.media import BadMediaError, Bucket, Geometry, load_audio, load_clip, load_item, probe
+from train.data.synthetic_media import (
+    COLOR_TONES,
+    COLORS,
+    SHAPE_TONES,
+    make_media_set,
+    render_clip,
+    render_tones,
+    write_image,
+    write_video,
+)
 from train.prepare import PrepareError, check_geometry, item_seed, list_source, prepare, settings_from_recipe
 from train.tiny.pipelines import build_tiny_pipeline
 
@@ -113,6 +123,35 @@ def test_bad_media_reasons(media):
         probe(b"not a video at all")
 
 
+def _peak_hz(wave: torch.Tensor, rate: int) -> list[float]:
+    spectrum = np.abs(np.fft.rfft(wave.numpy() * np.hanning(wave.shape[-1]), axis=-1))
+    return np.fft.rfftfreq(wave.shape[-1], 1 / rate)[spectrum.argmax(-1)].tolist()
+
+
+def test_audio_track_is_resampled_stereo_from_the_first_frame(tmp_path):
+    clip = render_clip("circle", "blue", "up", frames=24, height=H, width=W)
+    tones = render_tones(COLOR_TONES["blue"], SHAPE_TONES["circle"], 1.0, 16000)
+    path = write_video(tmp_path / "a.mp4", clip, 24, audio=tones, audio_rate=16000, audio_codec="flac")
+    wave = load_audio(path, 7000, 8000)  # 16 kHz FLAC -> 8 kHz
+    assert wave.shape == (2, 7000) and wave.dtype == torch.float32
+    assert _peak_hz(wave, 8000) == pytest.approx([COLOR_TONES["blue"], SHAPE_TONES["circle"]], abs=1.5)
+    t = np.arange(7000) / 8000  # sample k at k / 8000 s after the first frame: in phase with the source
+    ref = 0.3 * np.sin(2 * np.pi * np.array([[COLOR_TONES["blue"]], [SHAPE_TONES["circle"]]]) * t)
+    assert np.abs(wave.numpy() - ref)[:, 100:-100].max() < 1e-3
+    later = load_audio(path, 4000, 8000, start=0.25)
+    assert np.abs(later.numpy() - ref[:, 2000:6000])[:, 100:-100].max() < 1e-3
+    mono = write_video(tmp_path / "m.mp4", clip, 24, audio=tones[:1], audio_codec="aac")
+    wave = load_audio(mono, 4000, 8000)
+    assert torch.equal(wave[0], wave[1]) and _peak_hz(wave, 8000)[0] == pytest.approx(COLOR_TONES["blue"], abs=2.5)
+    with pytest.raises(BadMediaError) as e:
+        load_audio(path, 8400, 8000, max_pad=399)  # 1 s of sound for a 1.05 s window
+    assert e.value.reason == "too_short"
+    assert load_audio(path, 8400, 8000, max_pad=400)[:, 8000:].abs().max() == 0  # zero-padded end
+    with pytest.raises(BadMediaError) as e:
+        load_audio(write_video(tmp_path / "silent.mp4", clip, 24), 100, 8000)
+    assert e.value.reason == "no_audio"
+
+
 def test_synthetic_captions_describe_the_clip():
     clip = render_clip("circle", "yellow", "right", "black", frames=5, height=H, width=W)
     masks = [(f == COLORS["yellow"]).all(-1) for f in clip]
@@ -137,8 +176,10 @@ def test_geometry_rules_and_startup_errors(media, wan, tmp_path):
     with pytest.raises(PrepareError, match="pretrained_path"):
         settings_from_recipe(recipe_from_dict({"model": {"family": "wan", "init_config": {}}, "data": {}}))
     check_geometry(_settings("wan", wan, media[0], tmp_path / "c"))
-    with pytest.raises(ValueError, match="prepare for MiniMax-H3 is not implemented"):
-        check_geometry(settings_from_recipe(_recipe("wan", wan, media[0], tmp_path / "c"), family="minimax_h3"))
+    mm = Geometry("minimax_h3", "video", 32, 17, 5)  # MiniMax-H3: 17n + 5 frames, sides of multiples of 32
+    assert mm.problems(Bucket(5, 32, 64)) == mm.problems(Bucket(22, 64, 96)) == []
+    assert any("17k+5" in p and "use 5 or 22" in p for p in mm.problems(Bucket(9, 32, 64)))
+    assert get_encoder("minimax_h3").geometry(None) == mm
 
 
 # ----------------------------------------------------------------------------------------------------------- prepare
@@ -439,3 +480,84 @@ def _direct_chrono(pipe, x, height, width):
     first = Image.fromarray(((x[:, 0].permute(1, 2, 0) + 1) * 127.5).round().byte().numpy())
     out["image_embeds"] = pipe.encode_image(first, "cpu")
     return out
+
+
+def test_prepare_minimax_h3_video_audio_and_text(tmp_path_factory):
+    """MiniMax-H3: video latents, the soundtrack's audio latents and Qwen3-VL hidden_states[50] equal what the
+    modular pipeline's own components, helpers and blocks compute; a clip without sound is a `no_audio` bad item."""
+    from diffusers import MiniMaxH3ModularPipeline
+    from diffusers.modular_pipelines import PipelineState
+    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference
+    from diffusers.modular_pipelines.minimax_h3.encoders import (
+        MiniMaxH3Ref2VAReferenceEncoderStep,
+        encode_vae_condition,
+        get_qwen3vl_prompt_embeds,
+    )
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import audio_latent_num_frames
+    from transformers.utils import is_torchvision_available
+
+    from train.data.families import load_qwen3vl_processor_without_torchvision
+    from train.models import get_family
+
+    frames, height, width, fps = 22, 32, 64, 24.0  # 17 + 5 frames: two VAE chunks -> 7 latent frames
+    path = build_tiny_pipeline("minimax_h3", tmp_path_factory.mktemp("pipes") / "minimax_h3")
+    root = tmp_path_factory.mktemp("media_minimax")
+    rows = make_media_set(root, num_videos=2, frames=frames, height=height, width=width, fps=fps, audio=True,
+                          bad=["no_caption"], seed=5)  # fmt: skip
+    write_video(root / "silent.mp4", render_clip("square", "red", "left", frames=frames, height=height, width=width))
+    with open(root / "metadata.jsonl", "a") as f:
+        f.write(json.dumps({"file_name": "silent.mp4", "text": "a red square moving left"}) + "\n")
+    cache = tmp_path_factory.mktemp("cache") / "minimax_h3"
+    data = {"num_frames": frames, "height": height, "width": width, "fps": fps, "max_bad_fraction": 0.5}
+    m = prepare(settings=_settings("minimax_h3", path, root, cache, data), log=_quiet)
+    assert m["counts"]["ok"] == 2 and m["counts"]["bad_by_reason"] == {"no_audio": 1, "no_caption": 1}
+    ds = CachedLatentDataset(cache)
+    assert set(get_family("minimax_h3").batch_keys) <= set(ds[0]) and m["text"]["max_tokens"] is None
+
+    pipe = MiniMaxH3ModularPipeline.from_pretrained(str(path), workflow="t2va")  # as the released repo loads
+    pipe.load_components(names=["text_encoder", "vae", "audio_vae", "tokenizer"])
+    processor = None if is_torchvision_available() else load_qwen3vl_processor_without_torchvision(str(path))
+    pipe.load_components(names=["processor"]) if processor is None else pipe.update_components(processor=processor)
+    vae, audio_vae, seed = pipe.vae, pipe.audio_vae, json.loads((cache / "prepare_config.json").read_text())["seed"]
+    rate, hop = audio_vae.config.sampling_rate, audio_vae.hop_length
+    num_latents = audio_latent_num_frames(frames, fps)  # 40 latents/s, the released rate
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    for i, s in enumerate(m["samples"]):
+        item, src = ds[i], root / rows[s["index"]]["file_name"]
+        assert item["latents"].shape == (24, 7, 2, 4) and item["audio_latents"].shape == (2, 32, num_latents)
+        pixels = load_clip(src, Bucket(frames, height, width), fps).permute(1, 0, 2, 3)[None]  # uint8 (1, 3, F, H, W)
+        with torch.no_grad():
+            # the pipeline's own VAE encode recipe (ImageNet-normalised pixels, sampled posterior, normalised); it
+            # rounds conditioning latents to float16, which a training target is not
+            ref = encode_vae_condition(vae, pixels, pipe.pixel_mean, pipe.pixel_std, item_seed(seed, s["index"]))
+            x = (pixels.float() / 255 - torch.tensor(pipe.pixel_mean).view(1, -1, 1, 1, 1)) / torch.tensor(
+                pipe.pixel_std
+            ).view(1, -1, 1, 1, 1)
+            z = vae.encode(x).latent_dist.sample(torch.Generator().manual_seed(item_seed(seed, s["index"])))
+            # the soundtrack through the pipeline's own reference-audio block (channel-major rows)
+            wave = load_audio(src, num_latents * hop, rate, max_pad=rate // 24 + hop)
+            state = PipelineState()
+            state.set("normalized_references", [MiniMaxH3AudioReference(audio=wave, sample_rate=rate)])
+            MiniMaxH3Ref2VAReferenceEncoderStep()(pipe, state)
+            rows_ref = state.get("audio_condition_latents")[0]
+            ids = pipe.tokenizer(s["caption"], add_special_tokens=False)["input_ids"]
+            text = get_qwen3vl_prompt_embeds(pipe.text_encoder, pipe.processor, ids, text_encoder_layer=50)[0]
+            full = pipe.text_encoder(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[50][0]
+        torch.testing.assert_close(item["latents"], ((z - mean) / std)[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(item["latents"], ref[0], rtol=2e-3, atol=2e-3)
+        audio_rows = item["audio_latents"].permute(0, 2, 1).reshape(-1, 32)  # (2, 32, N) -> channel-major rows
+        torch.testing.assert_close(audio_rows, rows_ref, rtol=1e-5, atol=1e-5)
+        n = len(ids)  # unpadded in the sample file (the dataset pads to the cache's longest caption)
+        assert n == len(s["caption"].encode()) == load_file(cache / s["file"])["prompt_embeds"].shape[0]
+        assert item["prompt_mask"][:n].all() and not item["prompt_mask"][n:].any()
+        torch.testing.assert_close(item["prompt_embeds"][:n], text, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(item["prompt_embeds"][:n], full, rtol=1e-4, atol=1e-4)
+    assert load_file(cache / "empty_prompt.safetensors")["prompt_embeds"].shape == (0, 16)  # "" has no token
+    # data.max_text_tokens keeps the first rows of the same encoding (the Qwen3-VL stack is causal)
+    cut = tmp_path_factory.mktemp("cache") / "minimax_h3_16"
+    short = prepare(settings=_settings("minimax_h3", path, root, cut, {**data, "max_text_tokens": 16}), log=_quiet)
+    assert short["text"] == {"max_tokens": 16, "longest": 16}
+    first = load_file(cut / short["samples"][0]["file"])
+    torch.testing.assert_close(first["prompt_embeds"], ds[0]["prompt_embeds"][:16], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(first["audio_latents"], ds[0]["audio_latents"])

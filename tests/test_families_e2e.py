@@ -35,16 +35,19 @@ def _train(recipe: Path, out: Path, nproc: int) -> list[dict]:
 def test_family_prepares_and_trains_under_cp2(family: str, tmp_path: Path) -> None:
     spec = get_family(family)
     video = spec.latent_kind == "video"
-    frames = 9 if video else 1
-    height, width = (32, 64) if family == "ltx" else (32, 48)
+    # MiniMax-H3: 17n + 5 frames at its 24 fps, sides of multiples of 32, and clips with a soundtrack
+    sound = family == "minimax_h3"
+    frames = (5 if sound else 9) if video else 1
+    height, width = (32, 64) if family in ("ltx", "minimax_h3") else (32, 48)
+    fps = 24.0 if sound else 16.0
     media = tmp_path / "media"
     make_media_set(media, num_videos=3 if video else 1, num_images=0 if video else 2, frames=9, height=height,
-                   width=width)  # fmt: skip
+                   width=width, fps=fps, audio=sound)  # fmt: skip
     recipe = {
         "model": {"family": family, "pretrained_path": str(build_tiny_pipeline(family, tmp_path / "pipe")),
                   "dtype": "float32"},
         "data": {"source": str(media), "cache_dir": str(tmp_path / "cache"), "height": height, "width": width,
-                 "num_frames": frames, "fps": 16.0, "max_text_tokens": None if family == "chronoedit" else 16},
+                 "num_frames": frames, "fps": fps, "max_text_tokens": None if family == "chronoedit" else 16},
         "train": {"max_steps": 3, "batch_size": 1, "lr": 1e-3, "seed": 0, "mixed_precision": "no"},
         "finetune": {"method": "lora", "lora_rank": 4, "lora_alpha": 4.0},
         "logging": {"wandb_mode": "disabled", "progress_bar": False},

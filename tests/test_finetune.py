@@ -79,6 +79,11 @@ def test_cp2_and_cp3_match_single_process(tmp_root: Path, method: str) -> None:
     assert serial[-1]["loss"] != serial[0]["loss"]  # parameters did move
 
 
+def test_grad_accumulation_cp2_matches_single_process(tmp_root: Path) -> None:
+    base = (*QUIET, "train.grad_accum=2", "train.batch_size=1")
+    assert_same_steps(run(tmp_root, 2, *base, "parallel.cp=2"), run(tmp_root, 1, *base, "parallel.cp=1"), "accum 2")
+
+
 def test_dp2_cp2_matches_dp2_cp1(tmp_root: Path) -> None:
     dp_only = run(tmp_root, 2, *QUIET, "parallel.cp=1", "parallel.dp_shard=2")
     dp_cp = run(tmp_root, 4, *QUIET, "parallel.cp=2", "parallel.dp_shard=2")

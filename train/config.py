@@ -106,6 +106,8 @@ class ParallelConfig:
     """Shard parameters with FSDP2 over dp_shard x cp; false = replicate them and all-reduce gradients."""
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after forward (less memory, one more all-gather in backward)."""
+    cp_transport: Literal["torch", "symm_mem"] = "torch"
+    """CP all-to-all transport: torch (all_to_all_single) or symm_mem (intra-node CUDA, self-tested, else torch)."""
 
     def resolve(self, world_size: int) -> tuple[int, int, int]:
         """(dp_replicate, dp_shard, cp) for `world_size` ranks, with dp_shard = -1 filled in.

@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         model, mesh, cp_plan=recipe.model.cp_plan, gradient_checkpointing=t.gradient_checkpointing,
         fsdp=recipe.parallel.fsdp, reshard_after_forward=recipe.parallel.reshard_after_forward,
         param_dtype=torch.bfloat16 if device.type == "cuda" and t.mixed_precision != "no" else None,
+        cp_transport=recipe.parallel.cp_transport,
     )  # fmt: skip
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay)

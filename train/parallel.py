@@ -105,6 +105,7 @@ def parallelize(
     fsdp: bool,
     reshard_after_forward: bool,
     param_dtype: torch.dtype | None,
+    cp_transport: str = "torch",
 ) -> GradReduction:
     """Apply, in this order (each step needs the previous one in place):
 
@@ -119,7 +120,7 @@ def parallelize(
     """
     check_replicated(model)
     if mesh.dims.cp > 1:
-        enable_context_parallel(model, mesh=mesh.cp, plan=cp_plan, for_training=True)
+        enable_context_parallel(model, mesh=mesh.cp, plan=cp_plan, for_training=True, transport=cp_transport)
     if gradient_checkpointing:
         model.enable_gradient_checkpointing()
     dp_group = mesh.dp.get_group() if mesh.dims.dp > 1 else None

@@ -11,9 +11,13 @@ manifest. What it does per item (rank r of W takes items r, r + W, ...):
     caption present? -> probe -> bucket -> decode + resize/crop (PyAV/PIL, `train.data.media`) -> VAE -> text encoder
     -> samples/<index:06d>.safetensors (temp file + rename, so a killed run never leaves a half-written sample)
 
-Bad items (unreadable/corrupt, too short, too small, no caption) are skipped, counted and listed in the manifest; the
-run fails if they are more than `data.max_bad_fraction` of the source. Resumable: items whose sample file exists are
-not encoded again (their metadata is re-read), and a resumed run must use the same settings (prepare_config.json).
+Families with sound (MiniMax-H3) also decode the clip's audio track in the loader (`FamilyEncoder.load_extra`) and
+encode it with their audio VAE (`encode_extra`).
+
+Bad items (unreadable/corrupt, too short, too small, no caption, no audio track where the family needs one) are
+skipped, counted and listed in the manifest; the run fails if they are more than `data.max_bad_fraction` of the
+source. Resumable: items whose sample file exists are not encoded again (their metadata is re-read), and a resumed run
+must use the same settings (prepare_config.json).
 Latents are sampled from the VAE posterior with a generator seeded by (train.seed, item index) (`data.latent_sample:
 sample`, the pipelines' own default) or taken as its mean (`mode`), so a resumed or re-sharded run writes the same
 tensors as an uninterrupted one.
@@ -395,7 +399,8 @@ def prepare(
                 info = probe(item.media)
                 bucket = choose_bucket(info, buckets, settings.fps)
                 clip = load_clip(item.media, bucket, settings.fps, allow_upscale=settings.allow_upscale, info=info)
-                return "ok", (bucket, clip, settings.fps or info.fps)
+                extra = encoder.load_extra(item.media, info, bucket, settings.fps or info.fps)  # e.g. the soundtrack
+                return "ok", (bucket, clip, settings.fps or info.fps, extra)
             except BadMediaError as e:
                 return "bad", e
 
@@ -419,11 +424,12 @@ def prepare(
             else:
                 if stop_after is not None and new >= stop_after:
                     break
-                bucket, clip, fps = payload
+                bucket, clip, fps, extra = payload
                 gen = None
                 if settings.latent_sample == "sample":
                     gen = torch.Generator(procs.device).manual_seed(item_seed(settings.seed, item.index))
                 tensors = encoder.encode_media(to_model_input(clip), gen, settings.latent_sample, fps)
+                tensors.update(encoder.encode_extra(extra, gen, settings.latent_sample, fps))
                 tensors.update(encoder.encode_text(item.caption, text_tokens))
                 meta = {
                     **common_meta,

@@ -6,11 +6,15 @@ many collectives each call site issued and how many bytes left the rank, and a f
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+# torch 2.13 renamed all_gather_into_tensor (the old name warns on every call).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -45,13 +49,23 @@ class TorchTransport:
 
     name = "torch"
 
-    def __init__(self) -> None:
-        self.stats = CommStats()
+    def __init__(self, stats: CommStats | None = None) -> None:
+        self.stats = stats if stats is not None else CommStats()
 
     def all_to_all(
-        self, flat: torch.Tensor, in_splits: list[int], out_splits: list[int], group: dist.ProcessGroup, site: str
+        self,
+        flat: torch.Tensor,
+        in_splits: list[int],
+        out_splits: list[int],
+        group: dist.ProcessGroup,
+        site: str,
+        max_elems: int | None = None,
     ) -> torch.Tensor:
-        """1-D all-to-all-v: `in_splits[j]` elements of `flat` go to rank j, `out_splits[i]` arrive from rank i."""
+        """1-D all-to-all-v: `in_splits[j]` elements of `flat` go to rank j, `out_splits[i]` arrive from rank i.
+
+        `max_elems`: the largest send or receive total of ANY rank (the same on every rank), for transports with a
+        fixed buffer; they must decide alike on every rank whether a call fits.
+        """
         rank = dist.get_rank(group)
         self.stats.record(site, (sum(in_splits) - in_splits[rank]) * flat.element_size())
         out = flat.new_empty(sum(out_splits))
@@ -67,23 +81,143 @@ class TorchTransport:
         return out.view(world, *x.shape)
 
     def close(self) -> None:
-        """Nothing to release; explicit so faster transports have the same lifecycle (never a collective in __del__)."""
+        """Nothing to release. Transports are closed explicitly, never in __del__ (no collective under GC)."""
 
 
-# torch 2.13 renamed all_gather_into_tensor (the old name warns on every call).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+class SymmMemTransport(TorchTransport):
+    """Intra-node all-to-all-v through torch symmetric memory (NVSHMEM `all_to_all_vdev`), for one CP group.
 
-_TRANSPORT = TorchTransport()
+    Built only by `select_transport`, on the CP subgroup (never WORLD: ranks outside the group never join), and
+    only after a self-test against the plain path on the real hardware agreed on every rank of the group. Calls that
+    do not fit its buffers, or whose dtype it does not move, take the plain path — decided from `max_elems` and the
+    dtype, which are the same on every rank.
+    """
+
+    name = "symm_mem"
+    DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, capacity_bytes: int, stats: CommStats) -> None:
+        super().__init__(stats)
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group_name, world = group.group_name, dist.get_world_size(group)
+        symm_mem.set_backend("NVSHMEM")
+        symm_mem.enable_symm_mem_for_group(self.group_name)
+        self.capacity = capacity_bytes
+        self.inp = symm_mem.empty(capacity_bytes, dtype=torch.uint8, device=device)
+        self.out = symm_mem.empty(capacity_bytes, dtype=torch.uint8, device=device)
+        self.splits = symm_mem.empty(world, dtype=torch.int64, device=device)
+        self.offsets = symm_mem.empty((2, world), dtype=torch.int64, device=device)
+        for t in (self.inp, self.out, self.splits, self.offsets):
+            symm_mem.rendezvous(t, self.group_name)
+
+    def all_to_all(self, flat, in_splits, out_splits, group, site, max_elems=None):
+        esz = flat.element_size()
+        if flat.dtype not in self.DTYPES or max_elems is None or max_elems * esz > self.capacity:
+            return super().all_to_all(flat, in_splits, out_splits, group, site, max_elems)
+        rank = dist.get_rank(group)
+        self.stats.record(site, (sum(in_splits) - in_splits[rank]) * esz)
+        n_in, n_out = flat.numel() * esz, sum(out_splits) * esz
+        self.inp[:n_in].copy_(flat.view(torch.uint8))
+        self.splits.copy_(torch.tensor([n * esz for n in in_splits], dtype=torch.int64))
+        torch.ops.symm_mem.all_to_all_vdev(self.inp, self.out, self.splits, self.offsets, self.group_name)
+        return self.out[:n_out].clone().view(flat.dtype)
+
+    def close(self) -> None:
+        """Drop the buffers (symmetric memory is freed by the allocator; no collective here)."""
+        self.inp = self.out = self.splits = self.offsets = None
 
 
-def get_transport() -> TorchTransport:
-    return _TRANSPORT
+_STATS = CommStats()
+_DEFAULT = TorchTransport(_STATS)
+_BY_GROUP: dict[str, TorchTransport] = {}
+_NOTED: set[str] = set()
+
+
+def get_transport(group: dist.ProcessGroup | None = None) -> TorchTransport:
+    """The transport selected for `group` (plain torch unless `select_transport` installed another)."""
+    if group is not None and _BY_GROUP:
+        return _BY_GROUP.get(group.group_name, _DEFAULT)
+    return _DEFAULT
+
+
+def _note(reason: str) -> None:
+    if reason not in _NOTED:  # logged once per reason
+        _NOTED.add(reason)
+        print(f"[ctxtrain] CP transport: {reason}", flush=True)
+
+
+def _self_test(transport: TorchTransport, group: dist.ProcessGroup, device: torch.device) -> bool:
+    """An uneven all-to-all-v through `transport` must equal the plain path's, on this hardware."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    in_splits = [1 + (rank + j) % 3 for j in range(world)]
+    out_splits = [1 + (i + rank) % 3 for i in range(world)]
+    flat = torch.arange(sum(in_splits), device=device, dtype=torch.float32) + 100 * rank
+    plain = TorchTransport(CommStats()).all_to_all(flat, in_splits, out_splits, group, "selftest")
+    fast = transport.all_to_all(flat, in_splits, out_splits, group, "selftest", max_elems=3 * world)
+    return bool(torch.equal(plain, fast))
+
+
+def select_transport(
+    kind: str, group: dist.ProcessGroup, device: torch.device, capacity_bytes: int = 256 << 20
+) -> TorchTransport:
+    """Choose the all-to-all transport for one CP group; falls back to plain torch with the reason logged once.
+
+    "torch": always. "symm_mem": intra-node CUDA groups where torch has NVSHMEM, after a self-test; else torch.
+    Every rank of the group must call this together (it may run collectives on the group, never on WORLD).
+    """
+    if kind not in ("torch", "symm_mem"):
+        raise ValueError(f"unknown CP transport {kind!r}; use 'torch' or 'symm_mem'")
+    transport: TorchTransport = _DEFAULT
+    if kind == "symm_mem":
+        reason = _symm_mem_unavailable(group, device)
+        if reason is None:
+            try:
+                candidate = SymmMemTransport(group, device, capacity_bytes, _STATS)
+                ok = _self_test(candidate, group, device)
+            except Exception as e:  # init failure: fall back, but only if every rank agrees (below)
+                candidate, ok = None, False
+                _note(f"symm_mem init failed on this rank ({type(e).__name__}: {e})")
+            flag = torch.tensor([1 if ok else 0], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)  # one decision for the whole group
+            if flag.item() == 1:
+                transport = candidate
+            else:
+                if candidate is not None:
+                    candidate.close()
+                reason = "symm_mem self-test or init failed on some rank of the group"
+        if transport is _DEFAULT:
+            _note(f"symm_mem requested, using torch all_to_all_single: {reason}")
+    old = _BY_GROUP.pop(group.group_name, None)
+    if old is not None and old is not transport:
+        old.close()
+    if transport is not _DEFAULT:
+        _BY_GROUP[group.group_name] = transport
+    return transport
+
+
+def _symm_mem_unavailable(group: dist.ProcessGroup, device: torch.device) -> str | None:
+    """Why the fast path cannot serve this group (None = it may): decided from facts every rank shares."""
+    if device.type != "cuda":
+        return f"device {device.type} (symmetric memory is CUDA only)"
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if not symm_mem.is_nvshmem_available():
+            return "this torch build has no NVSHMEM"
+    except ImportError:
+        return "this torch build has no symmetric memory"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
+    nodes = {r // max(local, 1) for r in dist.get_process_group_ranks(group)}
+    if len(nodes) > 1:
+        return f"the CP group spans {len(nodes)} nodes (symmetric memory is intra-node)"
+    return None
 
 
 def exchange_ints(values: list[int], device: torch.device, group: dist.ProcessGroup, site: str) -> list[list[int]]:
     """All-gather a few ints from every rank: returns one list per rank, identical on all ranks."""
     t = torch.tensor(values, dtype=torch.int64, device=device)
-    return get_transport().all_gather(t, group, site).tolist()
+    return get_transport(group).all_gather(t, group, site).tolist()
 
 
 def all_gather_uneven(x: torch.Tensor, dim: int, sizes: list[int], group: dist.ProcessGroup, site: str) -> torch.Tensor:
@@ -101,6 +235,6 @@ def all_gather_uneven(x: torch.Tensor, dim: int, sizes: list[int], group: dist.P
         pad_shape = list(x.shape)
         pad_shape[dim] = pad
         x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
-    gathered = get_transport().all_gather(x, group, site)  # (world, ..., max, ...)
+    gathered = get_transport(group).all_gather(x, group, site)  # (world, ..., max, ...)
     out = torch.cat([gathered[i].narrow(dim, 0, n) for i, n in enumerate(sizes)], dim=dim)
     return out.bool() if is_bool else out

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .comm import select_transport
+from .layout import REGISTRY
 from .plans import CPPlanSpec, load_plan_file, plan_for, training_problems, validate_plan
 from .ulysses import install_ulysses_anything_backward
 
@@ -69,11 +71,20 @@ def _resolve_plan(model: torch.nn.Module, plan: CPPlanSpec | str | os.PathLike |
     return load_plan_file(Path(plan))
 
 
+_ENABLED_MODELS = 0
+
+
 def _install_guards(model: torch.nn.Module, spec: CPPlanSpec, problems: list[str]) -> None:
     """A forward pre-hook: runs before diffusers' CP hooks, so it refuses a training forward before any collective."""
     mask_args = spec.per_head_mask_inputs
+    # Layout verdicts are per model. A serial number, not id(): every rank enables the same models in the same
+    # order, so the numbers agree, while a recycled id() could hit on one rank and miss on another.
+    global _ENABLED_MODELS
+    _ENABLED_MODELS += 1
+    scope = f"{type(model).__name__}#{_ENABLED_MODELS}"
 
     def guard(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        REGISTRY.reset(spec.layout_registry, scope)  # a new forward: the split hooks record its partitions afresh
         if not torch.is_grad_enabled() or not any(p.requires_grad for p in module.parameters()):
             return  # inference and grad-free forwards stay allowed
         fed = [name for name in mask_args if kwargs.get(name) is not None]
@@ -99,6 +110,7 @@ def enable_context_parallel(
     degree: int | None = None,
     plan: CPPlanSpec | str | os.PathLike | dict | None = None,
     for_training: bool | None = None,
+    transport: str = "torch",
 ):
     """Enable trainable Ulysses-Anything CP on a diffusers `ModelMixin`; returns its diffusers `ParallelConfig`.
 
@@ -111,6 +123,8 @@ def enable_context_parallel(
             model's class in `cp_plans/`). The plan is validated against the model.
         for_training: True → refuse now if the plan cannot train correctly; None (default) → refuse the first
             forward that would compute gradients; False → no training guard (inference only).
+        transport: "torch" (all_to_all_single, everywhere) or "symm_mem" (intra-node CUDA symmetric memory after a
+            self-test, else torch with the reason logged once); set up on the CP subgroup only.
     """
     from diffusers.hooks.context_parallel import apply_context_parallel
     from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
@@ -150,7 +164,9 @@ def enable_context_parallel(
         raise ValueError("a CP degree of 1 needs no context parallelism; do not call enable_context_parallel")
     cp_config = ContextParallelConfig(ring_degree=1, ulysses_degree=degree, ulysses_anything=True, mesh=mesh)
     config = ParallelConfig(context_parallel_config=cp_config)
-    config.setup(dist.get_rank(), dist.get_world_size(), _local_device(mesh.device_type), mesh=mesh)
+    device = _local_device(mesh.device_type)
+    config.setup(dist.get_rank(), dist.get_world_size(), device, mesh=mesh)
+    select_transport(transport, mesh["ulysses"].get_group(), device)
     model._parallel_config = config
     for proc in processors:
         if proc is not None and hasattr(proc, "_parallel_config"):

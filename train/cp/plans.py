@@ -60,7 +60,7 @@ SplitPlan = dict[str | int, SplitValue]
 GatherPlan = ContextParallelOutput | list[ContextParallelOutput] | tuple[ContextParallelOutput, ...]
 DiffusersPlan = dict[str, SplitPlan | GatherPlan]
 
-_TOP_KEYS = ("model_class", "training", "reason", "per_head_mask_inputs", "plan")
+_TOP_KEYS = ("model_class", "training", "reason", "per_head_mask_inputs", "layout_registry", "plan")
 _ENTRY_KEYS = ("split_inputs", "split_outputs", "gather")
 _SPEC_KEYS = ("dim", "expected_dims")
 _TRAINING_VALUES = ("supported", "unsupported")
@@ -79,6 +79,9 @@ class CPPlanSpec:
     path: Path
     # Gathers on wildcard paths that `plan` also splits (see the module docstring). Empty for every plan but Helios.
     extra_gathers: dict[str, GatherPlan] = field(default_factory=dict)
+    # Every attention sequence is built from this plan's splits, so per-rank lengths can come from the verified
+    # layout registry instead of a size exchange in every layer (train/cp/layout.py). Off unless the file says so.
+    layout_registry: bool = False
 
     def diffusers_plan(self, model: torch.nn.Module) -> DiffusersPlan:
         """`plan` plus `extra_gathers` expanded to this model's concrete module paths: what to hand to diffusers."""
@@ -260,6 +263,10 @@ def load_plan_file(path: str | Path) -> CPPlanSpec:
     if not isinstance(masks, list) or not all(isinstance(m, str) and m.isidentifier() for m in masks):
         raise ctx.error(("per_head_mask_inputs",), f"expected a list of forward() argument names, got {masks!r}")
 
+    layout_registry = top.get("layout_registry", False)
+    if not isinstance(layout_registry, bool):
+        raise ctx.error(("layout_registry",), f"expected true or false, got {layout_registry!r}")
+
     entries = top["plan"]
     if not isinstance(entries, dict) or not entries:
         raise ctx.error(("plan",), "expected a non-empty mapping of module path -> entry")
@@ -289,6 +296,7 @@ def load_plan_file(path: str | Path) -> CPPlanSpec:
         plan=plan,
         path=path,
         extra_gathers=extra_gathers,
+        layout_registry=layout_registry,
     )
 
 

@@ -19,14 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .comm import all_gather_uneven, exchange_ints, get_transport
+from .comm import all_gather_uneven, get_transport
+from .layout import REGISTRY, split_sizes
 
 __all__ = ["UlyssesAnythingAttention", "GatherAnything", "install_ulysses_anything_backward", "split_sizes"]
-
-
-def split_sizes(n: int, world: int) -> list[int]:
-    """Sizes of `torch.tensor_split(n_items, world)`: the first n % world parts get one more."""
-    return [n // world + (1 if i < n % world else 0) for i in range(world)]
 
 
 def _offsets(sizes: list[int]) -> list[int]:
@@ -46,6 +42,17 @@ class _Layout:
     q_sizes: tuple[int, ...]  # local query tokens on each rank
     kv_sizes: tuple[int, ...]  # local key/value tokens on each rank
     heads: tuple[int, ...]  # heads each rank attends over after the exchange
+
+
+def _max_elems(xs: list[torch.Tensor], seq_sizes: list[tuple[int, ...]], lay: _Layout) -> int:
+    """The largest send or receive total of any rank for this exchange (both directions move the same blocks):
+    the same number on every rank, so fixed-buffer transports decide alike whether it fits."""
+    B, H = xs[0].shape[0], sum(lay.heads)
+    send = max(sum(B * sizes[i] * H * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) for i in range(lay.world))
+    recv = max(
+        sum(B * sum(sizes) * lay.heads[i] * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) for i in range(lay.world)
+    )
+    return max(send, recv)
 
 
 def _seq_to_heads(xs: list[torch.Tensor], seq_sizes: list[tuple[int, ...]], lay: _Layout, group, site: str):
@@ -68,7 +75,7 @@ def _seq_to_heads(xs: list[torch.Tensor], seq_sizes: list[tuple[int, ...]], lay:
     out_splits = [
         sum(B * sizes[i] * heads[r] * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) for i in range(lay.world)
     ]
-    recv = get_transport().all_to_all(send, in_splits, out_splits, group, site)
+    recv = get_transport(group).all_to_all(send, in_splits, out_splits, group, site, _max_elems(xs, seq_sizes, lay))
     # Received: for each source rank i, for each tensor, a (B, s_i, h_r, D) block. Concatenate along the sequence.
     pieces: list[list[torch.Tensor]] = [[] for _ in xs]
     pos = 0
@@ -100,7 +107,7 @@ def _heads_to_seq(xs: list[torch.Tensor], seq_sizes: list[tuple[int, ...]], lay:
     out_splits = [
         sum(B * sizes[r] * heads[i] * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) for i in range(lay.world)
     ]
-    recv = get_transport().all_to_all(send, in_splits, out_splits, group, site)
+    recv = get_transport(group).all_to_all(send, in_splits, out_splits, group, site, _max_elems(xs, seq_sizes, lay))
     pieces: list[list[torch.Tensor]] = [[] for _ in xs]
     pos = 0
     for i in range(lay.world):
@@ -191,9 +198,11 @@ class UlyssesAnythingAttention(torch.autograd.Function):
         B, s_q, H, _ = query.shape
         mask_q = -1 if attn_mask is None else attn_mask.shape[-2]
         mask_k = -1 if attn_mask is None else attn_mask.shape[-1]
-        # One tiny exchange per call gives every rank the same view of all local lengths, so every later decision
-        # (fusing, mask layout) is identical on all ranks. Never cached by local size: that is how ranks hang.
-        lens = exchange_ints([s_q, key.shape[1], mask_q, mask_k], query.device, group, "sizes")
+        # Every rank's local lengths, identical on all ranks: from the verified layout registry (no collective), or
+        # one tiny exchange. Never cached by local size: that is how ranks hang (see layout.py).
+        lens = REGISTRY.lengths(
+            [s_q, key.shape[1], mask_q, mask_k], query.device, group, "sizes", ties=(None, None, 0, 1)
+        )
         lay = _Layout(rank, world, tuple(r[0] for r in lens), tuple(r[1] for r in lens), tuple(split_sizes(H, world)))
         attn_mask = _assemble_mask(attn_mask, lens, lay, group)
 
@@ -244,7 +253,7 @@ class GatherAnything(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, dim: int, group: dist.ProcessGroup):
         dim = dim % tensor.dim()
-        sizes = [row[0] for row in exchange_ints([tensor.shape[dim]], tensor.device, group, "gather_sizes")]
+        sizes = [row[0] for row in REGISTRY.lengths([tensor.shape[dim]], tensor.device, group, "gather_sizes")]
         ctx.dim, ctx.offset, ctx.size = dim, sum(sizes[: dist.get_rank(group)]), tensor.shape[dim]
         return all_gather_uneven(tensor.contiguous(), dim, sizes, group, "gather")
 
@@ -267,7 +276,9 @@ def install_ulysses_anything_backward() -> None:
     - `attention_dispatch.TemplatedUlyssesAnythingAttention` → `UlyssesAnythingAttention` (backward, uneven heads
       without padding, correct split-mask assembly, LSE as a non-differentiable output);
     - `hooks.context_parallel.AllGatherAnythingFunction` / `_all_gather_anything` → `GatherAnything` (uneven output
-      gather that gloo accepts, exact backward slice).
+      gather that gloo accepts, exact backward slice);
+    - `PartitionAnythingSharder.shard_anything` records each split in the layout registry (layout.py), so layers
+      need no per-call size exchange once a forward's layout is verified.
     """
     from diffusers.hooks import context_parallel as cp_hooks
     from diffusers.models import attention_dispatch
@@ -277,9 +288,17 @@ def install_ulysses_anything_backward() -> None:
     _ORIGINALS["attention"] = attention_dispatch.TemplatedUlyssesAnythingAttention
     _ORIGINALS["gather_fn"] = cp_hooks.AllGatherAnythingFunction
     _ORIGINALS["gather"] = cp_hooks._all_gather_anything
+    _ORIGINALS["shard"] = cp_hooks.PartitionAnythingSharder.__dict__["shard_anything"]
     attention_dispatch.TemplatedUlyssesAnythingAttention = UlyssesAnythingAttention
     cp_hooks.AllGatherAnythingFunction = GatherAnything
     cp_hooks._all_gather_anything = _all_gather_anything
+    shard = _ORIGINALS["shard"].__func__
+
+    def shard_anything(cls, tensor: torch.Tensor, dim: int, mesh):
+        REGISTRY.record(tensor.size(dim), mesh.size())  # a global length: the same partition on every rank
+        return shard(cls, tensor, dim, mesh)
+
+    cp_hooks.PartitionAnythingSharder.shard_anything = classmethod(shard_anything)
 
 
 def uninstall_ulysses_anything_backward() -> None:
@@ -292,3 +311,4 @@ def uninstall_ulysses_anything_backward() -> None:
     attention_dispatch.TemplatedUlyssesAnythingAttention = _ORIGINALS.pop("attention")
     cp_hooks.AllGatherAnythingFunction = _ORIGINALS.pop("gather_fn")
     cp_hooks._all_gather_anything = _ORIGINALS.pop("gather")
+    cp_hooks.PartitionAnythingSharder.shard_anything = _ORIGINALS.pop("shard")

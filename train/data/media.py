@@ -14,6 +14,8 @@ One item goes through::
     load_clip(src, bucket, fps)     decode the frames the bucket needs at `fps`, resize to cover, centre crop
       -> uint8 tensor (F, 3, H, W)
     to_model_input(clip)            -> float32 (3, F, H, W) in [-1, 1], the range diffusers' VAEs take
+    load_audio(src, n, rate)        (families with sound: MiniMax-H3) the first audio stream, resampled to `rate`,
+                                    stereo, n samples from the time of the clip's first frame -> float32 (2, n)
 
 Frame sampling: with a target `fps`, frame j is the source frame whose timestamp is nearest to j / fps (measured from
 the first frame; ties go to the earlier frame), so a 30 fps clip resampled to 15 fps takes every other frame and the
@@ -22,7 +24,13 @@ taken as they are. Resizing keeps the aspect ratio: the frame is scaled (antiali
 then centre-cropped; a source that already has the bucket's size is passed through untouched (lossless tests rely on
 it). Upscaling is refused unless asked for (`allow_upscale`).
 
-Bad inputs raise `BadMediaError` with a short machine-readable `reason` (`unreadable`, `too_short`, `too_small`), so
+Audio: decoded with PyAV and resampled once by FFmpeg's swresample (float planar, the target rate); a mono track is
+repeated on both channels (as MiniMax-H3's own audio normalisation does), more than two channels are downmixed to
+stereo. The window starts at the first video frame's timestamp (the instant `load_clip`'s frame 0 shows); a track that
+starts later or ends earlier is zero-padded by at most `max_pad` samples.
+
+Bad inputs raise `BadMediaError` with a short machine-readable `reason` (`unreadable`, `too_short`, `too_small`,
+`no_audio` for a clip without an audio stream where the family needs one), so
 `train.prepare` can skip, count and list them. A setting no item could ever satisfy (a height the VAE/patch stride
 does not divide, 16 frames for a family that takes 4k+1) is a `ValueError` from `Geometry.check`, raised at startup.
 """
@@ -49,6 +57,7 @@ __all__ = [
     "MediaInfo",
     "choose_bucket",
     "is_image",
+    "load_audio",
     "load_clip",
     "load_item",
     "probe",
@@ -400,6 +409,81 @@ def load_item(
     info = probe(src)
     bucket = choose_bucket(info, buckets, fps)
     return bucket, load_clip(src, bucket, fps, allow_upscale=allow_upscale, info=info)
+
+
+def load_audio(
+    src: MediaSource,
+    num_samples: int,
+    sample_rate: int,
+    *,
+    start: float | None = None,
+    max_pad: int = 0,
+) -> torch.Tensor:
+    """float32 (2, num_samples): the first audio stream at `sample_rate`, stereo, from `start` seconds (None: the
+    timestamp of the first video frame, 0 without a video stream).
+
+    Raises BadMediaError: `no_audio` (no audio stream), `unreadable`, `too_short` (the track covers the window but for
+    more than `max_pad` samples, which are otherwise zero-filled).
+    """
+    import av
+
+    handle, name = _split_source(src)
+    chunks: list[np.ndarray] = []
+    first_time: float | None = None  # timestamp of the first decoded audio sample
+    try:
+        with av.open(handle) as container:
+            if not container.streams.audio:
+                raise BadMediaError("no_audio", f"{name}: no audio stream")
+            astream = container.streams.audio[0]
+            streams = [astream]
+            if start is None and container.streams.video:
+                streams.append(container.streams.video[0])  # only its first frame's time is read
+            elif start is None:
+                start = 0.0
+            mono = (astream.codec_context.channels or 2) == 1
+            resampler = av.AudioResampler(format="fltp", layout="mono" if mono else "stereo", rate=sample_rate)
+            have = 0
+            for packet in container.demux(*streams):
+                if packet.stream.type == "video":
+                    if start is None:
+                        start = next((f.time for f in packet.decode() if f.time is not None), None)
+                    continue
+                for frame in packet.decode():
+                    if first_time is None:
+                        first_time = frame.time if frame.time is not None else 0.0
+                    for out in resampler.resample(frame):
+                        chunks.append(out.to_ndarray().reshape(-1, out.samples))
+                        have += out.samples
+                if start is not None and first_time is not None:
+                    end = start + (num_samples + max_pad) / sample_rate + 0.05  # + the resampler's delay
+                    if first_time + have / sample_rate > end:
+                        break  # the window is decoded
+            else:
+                for out in resampler.resample(None):  # flush what the resampler holds back
+                    chunks.append(out.to_ndarray().reshape(-1, out.samples))
+    except BadMediaError:
+        raise
+    except Exception as e:
+        raise BadMediaError("unreadable", f"{name}: {type(e).__name__}: {e}") from e
+    if not chunks or first_time is None:
+        raise BadMediaError("no_audio", f"{name}: the audio stream has no decodable samples")
+    wave = np.concatenate(chunks, axis=1).astype(np.float32, copy=False)
+    offset = round(((start or 0.0) - first_time) * sample_rate)  # samples of the track before the window
+    front = max(0, -offset)  # the track starts after the first frame: silence before it
+    if front:
+        wave = np.concatenate([np.zeros((wave.shape[0], front), np.float32), wave], axis=1)
+    wave = wave[:, max(0, offset) : max(0, offset) + num_samples]
+    missing = min(front, num_samples) + num_samples - wave.shape[1]
+    if missing > max_pad:
+        covered = (num_samples - missing) / sample_rate
+        raise BadMediaError(
+            "too_short",
+            f"{name}: the audio track covers {covered:.3f} s of the {num_samples / sample_rate:.3f} s window",
+        )
+    if wave.shape[1] < num_samples:
+        wave = np.pad(wave, ((0, 0), (0, num_samples - wave.shape[1])))
+    out = torch.from_numpy(np.ascontiguousarray(wave))
+    return out.expand(2, -1).contiguous() if out.shape[0] == 1 else out
 
 
 def to_model_input(clip: torch.Tensor) -> torch.Tensor:

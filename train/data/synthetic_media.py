@@ -12,6 +12,11 @@ Codecs: `libx264rgb` (CRF 0, RGB) is lossless and the default; `libx264` (yuv420
 like (about 1.7/255 mean round-trip error from chroma subsampling); `ffv1` in `.mkv` is lossless too (its container
 header carries no frame count, a useful edge case).
 
+Sound (`audio=True`, off by default): each clip gets a stereo track as long as the clip, a sine tone per channel whose
+pitch says what the clip shows (left: the colour, `COLOR_TONES`; right: the shape, `SHAPE_TONES`), encoded as AAC
+(`audio_codec="aac"`, what real clips carry) or FLAC (lossless) in the same container. Tones stay below 2 kHz, so any
+audio VAE rate from 4 kHz up keeps them.
+
 Bad items (`bad=`) for the prepare tests, each with the reason `train.prepare` must report:
     corrupt      random bytes with a .mp4 name                        -> unreadable
     missing      a metadata line whose file does not exist            -> unreadable
@@ -28,7 +33,18 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["BAD_KINDS", "COLORS", "caption_for", "make_media_set", "render_clip", "write_image", "write_video"]
+__all__ = [
+    "BAD_KINDS",
+    "COLORS",
+    "COLOR_TONES",
+    "SHAPE_TONES",
+    "caption_for",
+    "make_media_set",
+    "render_clip",
+    "render_tones",
+    "write_image",
+    "write_video",
+]
 
 COLORS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),
@@ -41,6 +57,10 @@ COLORS: dict[str, tuple[int, int, int]] = {
 }
 BACKGROUNDS: dict[str, tuple[int, int, int]] = {"black": (10, 10, 10), "gray": (110, 110, 110)}
 SHAPES = ("square", "circle", "triangle")
+# Pitch (Hz) of the left channel by colour and of the right channel by shape, in clips written with audio=True.
+COLOR_TONES: dict[str, float] = {"red": 250.0, "green": 375.0, "blue": 500.0, "yellow": 625.0, "white": 750.0,
+                                 "purple": 875.0, "orange": 1000.0}  # fmt: skip
+SHAPE_TONES: dict[str, float] = {"square": 1250.0, "circle": 1500.0, "triangle": 1750.0}
 DIRECTIONS: dict[str, tuple[int, int]] = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 BAD_KINDS: dict[str, str] = {
     "corrupt": "unreadable",
@@ -96,8 +116,26 @@ def render_clip(
     return out
 
 
-def write_video(path: str | Path, frames: np.ndarray, fps: float = 16, codec: str = "libx264rgb") -> Path:
-    """Encode uint8 (F, H, W, 3) frames with PyAV. codec: libx264rgb (lossless), libx264 (yuv420p), ffv1 (.mkv)."""
+def render_tones(left_hz: float, right_hz: float, seconds: float, sample_rate: int = 16000) -> np.ndarray:
+    """float32 (2, round(seconds * sample_rate)): a sine of amplitude 0.3 per channel."""
+    t = np.arange(round(seconds * sample_rate)) / sample_rate
+    return (0.3 * np.sin(2 * np.pi * np.array([[left_hz], [right_hz]]) * t)).astype(np.float32)
+
+
+def write_video(
+    path: str | Path,
+    frames: np.ndarray,
+    fps: float = 16,
+    codec: str = "libx264rgb",
+    audio: np.ndarray | None = None,
+    audio_rate: int = 16000,
+    audio_codec: str = "aac",
+) -> Path:
+    """Encode uint8 (F, H, W, 3) frames with PyAV. codec: libx264rgb (lossless), libx264 (yuv420p), ffv1 (.mkv).
+
+    `audio`, when given, is a float (channels, samples) waveform at `audio_rate` in [-1, 1], muxed as a second stream
+    (audio_codec: aac, or flac for a lossless track).
+    """
     import av
 
     path = Path(path)
@@ -117,9 +155,27 @@ def write_video(path: str | Path, frames: np.ndarray, fps: float = 16, codec: st
         stream.height, stream.width = frames.shape[1:3]
         stream.pix_fmt = pix_fmt
         stream.options = options
+        sound = None
+        if audio is not None:
+            layout = {1: "mono", 2: "stereo"}[audio.shape[0]]
+            sound = container.add_stream(audio_codec, rate=audio_rate, layout=layout)
         for f in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")))
         container.mux(stream.encode())
+        if sound is not None:
+            # the codec's own sample format and frame size, converted by swresample from float planar
+            resampler = av.AudioResampler(format=sound.codec_context.format.name, layout=layout, rate=audio_rate)
+            step = sound.codec_context.frame_size or 1024
+            wave = np.asarray(audio, dtype=np.float32)
+            for s in range(0, wave.shape[1], step):
+                frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(wave[:, s : s + step]), format="fltp",
+                                                   layout=layout)  # fmt: skip
+                frame.sample_rate, frame.pts, frame.time_base = audio_rate, s, Fraction(1, audio_rate)
+                for converted in resampler.resample(frame):
+                    container.mux(sound.encode(converted))
+            for converted in resampler.resample(None):
+                container.mux(sound.encode(converted))
+            container.mux(sound.encode())
     return path
 
 
@@ -146,18 +202,29 @@ def make_media_set(
     metadata: str = "jsonl",
     seed: int = 0,
     sizes: Sequence[tuple[int, int]] | None = None,
+    audio: bool = False,
+    audio_rate: int = 16000,
+    audio_codec: str = "aac",
 ) -> list[dict]:
     """Write clips, images, bad items and metadata.jsonl (or .csv) under `root`; return the metadata rows.
 
     Good rows come first (videos, then images), bad rows after them in the order given. `sizes`, when set, cycles
     (height, width) over the good items (for bucketing tests). Each row also carries `expect` (the reason prepare
-    should report, or "ok"), which the prepare code ignores.
+    should report, or "ok"), which the prepare code ignores. `audio=True` gives every clip (good or bad) a stereo
+    track of its pitches (see the module doc), at `audio_rate` Hz in `audio_codec`.
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     ext = ".mkv" if codec == "ffv1" else ".mp4"
     rows: list[dict] = []
+
+    def sound(shape: str, color: str, num_frames: int) -> tuple:
+        """write_video's audio arguments for a clip of num_frames (none unless audio=True)."""
+        if not audio:
+            return ()
+        tones = render_tones(COLOR_TONES[color], SHAPE_TONES[shape], num_frames / fps, audio_rate)
+        return tones, audio_rate, audio_codec
 
     def pick() -> tuple[str, str, str, str]:
         return (
@@ -173,7 +240,7 @@ def make_media_set(
         if i < num_videos:
             clip = render_clip(shape, color, direction, bg, frames=frames, height=h, width=w)
             name = f"clip_{i:03d}{ext}"
-            write_video(root / name, clip, fps, codec)
+            write_video(root / name, clip, fps, codec, *sound(shape, color, frames))
             text = caption_for(shape, color, direction, bg)
         else:
             name = f"image_{i - num_videos:03d}.png"
@@ -190,16 +257,11 @@ def make_media_set(
         if kind == "corrupt":
             (root / name).write_bytes(rng.integers(0, 256, 4096, dtype=np.uint8).tobytes())
         elif kind == "short":
-            write_video(
-                root / name, render_clip(shape, color, direction, bg, frames=3, height=height, width=width), fps, codec
-            )
+            clip = render_clip(shape, color, direction, bg, frames=3, height=height, width=width)
+            write_video(root / name, clip, fps, codec, *sound(shape, color, 3))
         elif kind == "no_caption":
-            write_video(
-                root / name,
-                render_clip(shape, color, direction, bg, frames=frames, height=height, width=width),
-                fps,
-                codec,
-            )
+            clip = render_clip(shape, color, direction, bg, frames=frames, height=height, width=width)
+            write_video(root / name, clip, fps, codec, *sound(shape, color, frames))
             text = ""
         elif kind == "small":
             name = f"bad_{j:02d}_small.png"

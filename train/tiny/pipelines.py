@@ -11,7 +11,11 @@ and 30), and real tokenizers built from a tiny vocabulary that covers the synthe
 (`train.data.synthetic_media`). VAE normalisation constants (latents mean/std, shift/scaling factors, batch-norm
 statistics) are set to non-trivial values so a test notices a missing or wrong normalisation.
 
-Families: wan, chronoedit, ltx, flux, flux2, qwenimage. MiniMax-H3 has no tiny pipeline here (see MISSING).
+Families: wan, chronoedit, ltx, flux, flux2, qwenimage, minimax_h3. MiniMax-H3 is modular only: its folder is what
+`MiniMaxH3ModularPipeline.save_pretrained` writes (modular_model_index.json + one subfolder per component), with the
+released latent channel counts (video 24, audio 32), the released temporal chunking (17n + 5 frames -> 5n + 2 latent
+frames), an audio VAE at 8 kHz with a hop of 200 (40 latents/s, the released rate), and a Qwen3-VL text encoder of 51
+layers of width 16 (the pipeline reads hidden_states[50], a fixed `text_encoder_layer`, and refuses fewer layers).
 """
 
 from __future__ import annotations
@@ -24,15 +28,8 @@ import torch
 
 from train.tiny.configs import CONFIGS, TEXT_DIM
 
-__all__ = ["FAMILIES", "MISSING", "build_tiny_pipeline"]
+__all__ = ["FAMILIES", "build_tiny_pipeline"]
 
-MISSING: dict[str, str] = {
-    "minimax_h3": (
-        "MiniMax-H3 ships only as a modular pipeline (MiniMaxH3ModularPipeline) whose conditioning reads "
-        "hidden_states[50] of a Qwen3-VL model and whose cache also needs the soundtrack's audio-VAE latents; "
-        "no tiny pipeline/prepare path was built for it"
-    ),
-}
 
 # Words of the synthetic captions (train.data.synthetic_media) get one token each; other text falls back to letters.
 WORDS = (
@@ -438,6 +435,143 @@ def _flux2(path: Path) -> None:
     pipe.save_pretrained(path)
 
 
+QWEN3VL_SPECIALS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                    "<|video_pad|>")  # fmt: skip
+
+
+def qwen3vl_tokenizer():
+    """The byte-level Qwen2 tokenizer of `qwen_tokenizer` with every Qwen3-VL vision special token."""
+    from transformers import Qwen2Tokenizer
+
+    tok = Qwen2Tokenizer(vocab=byte_bpe_vocab(), merges=[])
+    tok.add_special_tokens({"additional_special_tokens": list(QWEN3VL_SPECIALS)})
+    return tok
+
+
+def save_qwen3vl_processor(tokenizer, path: Path, patch_size: int = 16, merge_size: int = 2) -> None:
+    """Write the folder `Qwen3VLProcessor.save_pretrained` writes: its tokenizer + processor_config.json.
+
+    transformers' Qwen3VLVideoProcessor cannot be instantiated without torchvision (not a dependency here), so the
+    processor object is not built: the files are written as save_pretrained lays them out (image and video processor
+    configs nested in processor_config.json, `processor_class` in the tokenizer config), which `from_pretrained`
+    reads back where torchvision is installed. `train.data.families` loads them without torchvision.
+    """
+    from transformers import Qwen2VLImageProcessorPil
+
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer._set_processor_class("Qwen3VLProcessor")
+    tokenizer.save_pretrained(path)
+    pixels = {"shortest_edge": 4 * (patch_size * merge_size) ** 2, "longest_edge": 64 * (patch_size * merge_size) ** 2}
+    common = dict(patch_size=patch_size, temporal_patch_size=2, merge_size=merge_size, image_mean=[0.5] * 3,
+                  image_std=[0.5] * 3)  # fmt: skip
+    image = Qwen2VLImageProcessorPil(size=pixels, **common).to_dict()
+    image["image_processor_type"] = "Qwen2VLImageProcessor"  # the class name save_pretrained records
+    video = {"video_processor_type": "Qwen3VLVideoProcessor", "size": pixels, "fps": 2, "min_frames": 4,
+             "max_frames": 768, "do_sample_frames": True, **common}  # fmt: skip
+    config = {"image_processor": image, "video_processor": video, "processor_class": "Qwen3VLProcessor"}
+    (path / "processor_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+@_seeded
+def _minimax_h3(path: Path) -> None:
+    from diffusers import (
+        AutoencoderKLMiniMaxH3,
+        AutoencoderKLMiniMaxH3Audio,
+        MiniMaxH3ModularPipeline,
+        MiniMaxH3Scheduler,
+        MiniMaxH3Transformer3DModel,
+    )
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    # the released latent channel counts: 24 video (AutoencoderKLMiniMaxH3) and 32 audio (AutoencoderKLMiniMaxH3Audio)
+    z, za = 24, 32
+    cfg = {**CONFIGS["minimax_h3"], "in_channels": z, "audio_in_channels": za}
+    tok = qwen3vl_tokenizer()
+    special = {t: tok.convert_tokens_to_ids(t) for t in QWEN3VL_SPECIALS}
+    text_encoder = Qwen3VLForConditionalGeneration(
+        Qwen3VLConfig(
+            text_config=dict(
+                vocab_size=len(tok),
+                hidden_size=cfg["text_dim"],
+                intermediate_size=32,
+                # MiniMaxH3ModularPipeline.text_encoder_layer is 50 (a property, not a config value) and
+                # get_qwen3vl_prompt_embeds refuses a model of <= 50 decoder layers
+                num_hidden_layers=51,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=8,
+                max_position_embeddings=2048,
+                rope_parameters=dict(
+                    rope_type="default", mrope_section=[2, 1, 1], mrope_interleaved=True, rope_theta=1e4
+                ),
+                bos_token_id=special["<|im_end|>"],
+                eos_token_id=special["<|im_end|>"],
+            ),
+            vision_config=dict(
+                depth=1,
+                hidden_size=16,
+                intermediate_size=32,
+                num_heads=2,
+                out_hidden_size=cfg["text_dim"],
+                patch_size=16,
+                num_position_embeddings=64,
+                deepstack_visual_indexes=[0],
+            ),
+            image_token_id=special["<|image_pad|>"],
+            video_token_id=special["<|video_pad|>"],
+            vision_start_token_id=special["<|vision_start|>"],
+            vision_end_token_id=special["<|vision_end|>"],
+        )
+    )
+    vae = AutoencoderKLMiniMaxH3(  # released strides: x16 spatial, 17n + 5 frames -> 5n + 2 latent frames
+        latent_channels=z,
+        block_out_channels=(8,) * 6,
+        layers_per_block=1,
+        norm_num_groups=4,
+        decoder_num_layers=1,
+        decoder_num_attention_heads=2,
+        decoder_attention_head_dim=8,
+        decoder_ffn_mult=2,
+        latents_mean=[0.05 * (i - z / 2) for i in range(z)],
+        latents_std=[0.5 + 0.05 * i for i in range(z)],
+    )
+    audio_vae = AutoencoderKLMiniMaxH3Audio(  # 8 kHz, hop 200: the released 40 latents per second
+        encoder_dim=4,
+        encoder_rates=(2, 4, 5, 5),
+        latent_dim=za,
+        latent_channels=za,
+        num_attention_heads=2,
+        decoder_dim=64,
+        decoder_rates=(5, 5, 2, 2, 2),
+        decoder_kernel_sizes=(9, 9, 4, 4, 4),
+        resblock_kernel_sizes=(3,),
+        resblock_dilation_sizes=((1, 3),),
+        sampling_rate=8000,
+        latents_mean=[0.02 * (i - za / 2) for i in range(za)],
+        latents_std=[0.6 + 0.03 * i for i in range(za)],
+    )
+    pipe = MiniMaxH3ModularPipeline()
+    pipe.update_components(
+        text_encoder=text_encoder,
+        tokenizer=tok,
+        vae=vae,
+        audio_vae=audio_vae,
+        scheduler=MiniMaxH3Scheduler(shift=12.0),
+        audio_scheduler=MiniMaxH3Scheduler(shift=3.0),
+        transformer=MiniMaxH3Transformer3DModel(**cfg),
+        transformer_ref=MiniMaxH3Transformer3DModel(**cfg),  # the ref2va partition the released repo also holds
+    )
+    pipe.save_pretrained(str(path), overwrite_modular_index=True)
+    # the processor is written by hand (see save_qwen3vl_processor) and indexed like the components save_pretrained
+    # indexed, so ModularPipeline.from_pretrained(path) has a loading spec for every from_pretrained component
+    save_qwen3vl_processor(qwen3vl_tokenizer(), path / "processor")
+    index_path = path / "modular_model_index.json"
+    index = json.loads(index_path.read_text())
+    spec = dict(index["tokenizer"][2], subfolder="processor", type_hint=["transformers", "Qwen3VLProcessor"])
+    index["processor"] = ["transformers", "Qwen3VLProcessor", spec]
+    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
 BUILDERS: dict[str, Callable[[Path], None]] = {
     "wan": _wan,
     "chronoedit": _chronoedit,
@@ -445,21 +579,22 @@ BUILDERS: dict[str, Callable[[Path], None]] = {
     "flux": _flux,
     "qwenimage": _qwenimage,
     "flux2": _flux2,
+    "minimax_h3": _minimax_h3,
 }
 FAMILIES: tuple[str, ...] = tuple(BUILDERS)
 
 
 def build_tiny_pipeline(family: str, path: str | Path) -> Path:
     """Build the tiny pipeline of `family` and `save_pretrained` it to `path` (reused when already there)."""
-    if family in MISSING:
-        raise NotImplementedError(f"no tiny pipeline for {family}: {MISSING[family]}")
     if family not in BUILDERS:
         raise KeyError(f"unknown family {family!r}; tiny pipelines exist for {FAMILIES}")
     path = Path(path)
-    marker = path / "model_index.json"
-    if marker.exists() and json.loads(marker.read_text()).get("_tiny_family") == family:
+    # Modular-only pipelines (MiniMax-H3) save modular_model_index.json instead of model_index.json.
+    indexes = [path / "model_index.json", path / "modular_model_index.json"]
+    if any(m.exists() and json.loads(m.read_text()).get("_tiny_family") == family for m in indexes):
         return path
     BUILDERS[family](path)
+    marker = next(m for m in indexes if m.exists())
     index = json.loads(marker.read_text())
     index["_tiny_family"] = family  # diffusers ignores keys starting with "_"
     marker.write_text(json.dumps(index, indent=2))
