@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -36,12 +37,18 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: t
     try:
         result = fn(rank, world, *args)
         torch.save({"ok": True, "result": result}, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()  # nobody tears the group down while a peer still has a collective in flight
     except BaseException as e:  # report the failure of every rank, not only the first
         torch.save({"ok": False, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()},
                    Path(out_dir) / f"rank{rank}.pt")  # fmt: skip
         raise
     finally:
         dist.destroy_process_group()
+    # Leave without the interpreter's teardown: gloo's background threads were seen to abort the process there
+    # ("terminate called without an active exception") after all work was done and reported.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class RankError(RuntimeError):

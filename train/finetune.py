@@ -217,3 +217,8 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     main()
+    # Everything is written and the process group is destroyed. Skip the interpreter's teardown: gloo's background
+    # threads were seen to abort a finished process there ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
