@@ -12,6 +12,21 @@ HEAD_DIM = 8
 INNER_DIM = NUM_HEADS * HEAD_DIM  # 56
 TEXT_DIM = 16
 
+# Wan, ChronoEdit and Helios share the Wan block layout.
+_WAN_BLOCKS: dict[str, Any] = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=NUM_HEADS,
+    attention_head_dim=HEAD_DIM,
+    in_channels=4,
+    out_channels=4,
+    text_dim=TEXT_DIM,
+    freq_dim=32,
+    ffn_dim=32,
+    num_layers=2,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+)
+
 # Model configs --------------------------------------------------------------------------------------------------------
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -50,37 +65,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
         joint_attention_dim=TEXT_DIM,
         axes_dims_rope=(2, 2, 4),  # sums to HEAD_DIM
     ),
-    "wan": dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=NUM_HEADS,
-        attention_head_dim=HEAD_DIM,
-        in_channels=4,
-        out_channels=4,
-        text_dim=TEXT_DIM,
-        freq_dim=32,
-        ffn_dim=32,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
-    ),
-    # Image-to-video config (like the real ChronoEdit-14B): image embeddings go through the added K/V projections.
-    "chronoedit": dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=NUM_HEADS,
-        attention_head_dim=HEAD_DIM,
-        in_channels=4,
-        out_channels=4,
-        text_dim=TEXT_DIM,
-        freq_dim=32,
-        ffn_dim=32,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        image_dim=12,
-        added_kv_proj_dim=INNER_DIM,  # image embeddings are projected to the inner dim before the added K/V
-        rope_max_seq_len=32,
-    ),
+    "wan": dict(_WAN_BLOCKS, rope_max_seq_len=32),
+    # Image-to-video config (like the real ChronoEdit-14B): image embeddings go through the added K/V projections
+    # (projected to the inner dim first).
+    "chronoedit": dict(_WAN_BLOCKS, image_dim=12, added_kv_proj_dim=INNER_DIM, rope_max_seq_len=32),
     "ltx": dict(
         in_channels=8,
         out_channels=8,
@@ -112,17 +100,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
         rope_freq_dim=1,
     ),
     "helios": dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=NUM_HEADS,
-        attention_head_dim=HEAD_DIM,
-        in_channels=4,
-        out_channels=4,
-        text_dim=TEXT_DIM,
-        freq_dim=32,
-        ffn_dim=32,
+        _WAN_BLOCKS,
         num_layers=1,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
         rope_dim=(4, 2, 2),  # sums to HEAD_DIM
         guidance_cross_attn=True,
         zero_history_timestep=True,

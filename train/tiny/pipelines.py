@@ -105,34 +105,24 @@ def qwen_tokenizer():
 # ---------------------------------------------------------------------------------------------------- text encoders
 
 
+def _t5_family_encoder(config_cls, model_cls, vocab_size: int, d_model: int):
+    cfg = config_cls(
+        vocab_size=vocab_size, d_model=d_model, d_kv=4, d_ff=32, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8,
+    )  # fmt: skip
+    return model_cls(cfg)
+
+
 def umt5_encoder(vocab_size: int, d_model: int = TEXT_DIM):
     from transformers import UMT5Config, UMT5EncoderModel
 
-    cfg = UMT5Config(
-        vocab_size=vocab_size,
-        d_model=d_model,
-        d_kv=4,
-        d_ff=32,
-        num_layers=2,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-    )
-    return UMT5EncoderModel(cfg)
+    return _t5_family_encoder(UMT5Config, UMT5EncoderModel, vocab_size, d_model)
 
 
 def t5_encoder(vocab_size: int, d_model: int = TEXT_DIM):
     from transformers import T5Config, T5EncoderModel
 
-    cfg = T5Config(
-        vocab_size=vocab_size,
-        d_model=d_model,
-        d_kv=4,
-        d_ff=32,
-        num_layers=2,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-    )
-    return T5EncoderModel(cfg)
+    return _t5_family_encoder(T5Config, T5EncoderModel, vocab_size, d_model)
 
 
 # ------------------------------------------------------------------------------------------------------------ VAEs
