@@ -13,7 +13,8 @@ rank attends over all S tokens with H/N heads. Per N, forward + backward of one 
   only the copies a rank does): Q/K/V and dO in, O and dQ/dK/dV out;
 - `layout + op`: their sum = the local work of our Ulysses-Anything attention per rank, without the wire;
 - `full fn, 1 rank`: `UlyssesAnythingAttention` on a real 1-rank NCCL group with input (1, S, H/N, D): the whole
-  function (size exchange incl. its device->host sync, packing, 1-rank all-to-all, backend op).
+  function as under a plan (lengths from the layout registry: no size exchange, no device->host sync; packing,
+  1-rank all-to-all, backend op).
 The ratios are against `sdpa`.
 
 Part 2: a bf16 training step (forward, MSE loss, backward, fused AdamW on bf16 weights) of a random-init
@@ -227,6 +228,7 @@ def attention_part(device: torch.device, shapes: dict) -> None:
 
 def _attention_case(N, S, H, D, device, fwd_op, bwd_op, group_error, cells: list) -> None:
     """Fills `cells` as it goes, so a case that fails half-way still reports what it measured."""
+    from train.cp.layout import REGISTRY
     from train.cp.ulysses import UlyssesAnythingAttention, _heads_to_seq, _Layout, _seq_to_heads, split_sizes
 
     h, s_local = H // N, S // N
@@ -281,6 +283,8 @@ def _attention_case(N, S, H, D, device, fwd_op, bwd_op, group_error, cells: list
     qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
 
     def full():
+        REGISTRY.reset(enabled=True, scope="bench")  # as under a plan: lengths from the split, no size exchange
+        REGISTRY.record(S, 1)
         out = UlyssesAnythingAttention.apply(qf, kf, vf, None, 0.0, False, None, False, False, fwd_op, bwd_op,
                                              _StubParallelConfig())  # fmt: skip
         torch.autograd.grad(out, (qf, kf, vf), do)

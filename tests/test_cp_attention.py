@@ -33,27 +33,30 @@ CASES = [
     ("additive_global", 2, 13, 13, 7, 8, "additive_global"),
     ("additive_split", 1, 14, 13, 5, 8, "additive_split"),
     ("full_global", 1, 13, 11, 7, 8, "full_global"),
+    ("full_query_split", 2, 13, 11, 7, 8, "full_query_split"),
 ]
+# Split key masks ride in the fused Q/K/V all-to-all; only a mask split along queries takes a gather of its own.
+MASK_GATHERS = sum(kind == "full_query_split" for *_, kind in CASES) * 2  # once per dtype
 
 
 def _make_mask(kind: str | None, B: int, Sq: int, Skv: int, dtype: torch.dtype, gen: torch.Generator):
-    """Global mask (what the serial run sees) and whether CP ranks receive it split along keys."""
+    """Global mask (what the serial run sees) and the dim along which CP ranks receive it split (None: whole)."""
     if kind is None:
-        return None, False
+        return None, None
     if kind.startswith("keypad"):
         keep = torch.rand(B, Skv, generator=gen) > 0.35
         keep[:, 0] = True  # no fully masked row
         if kind == "keypad_global_4d":
-            return keep[:, None, None, :], False
-        return keep, kind == "keypad_split"
+            return keep[:, None, None, :], None
+        return keep, -1 if kind == "keypad_split" else None
     if kind.startswith("additive"):
         bias = torch.randn(B, 1, 1, Skv, generator=gen, dtype=dtype)
         bias[..., 1::3] = -1e4
-        return bias, kind == "additive_split"
-    if kind == "full_global":
+        return bias, -1 if kind == "additive_split" else None
+    if kind.startswith("full"):
         keep = torch.rand(B, 1, Sq, Skv, generator=gen) > 0.3
         keep[..., 0] = True
-        return keep, False
+        return keep, -2 if kind == "full_query_split" else None
     raise AssertionError(kind)
 
 
@@ -96,7 +99,7 @@ def _attention_cases(rank: int, world: int) -> dict:
             ref.backward(dout)
             # CP: each rank holds its tensor_split shard of the sequence (and of the mask, when split).
             ql, kl, vl = (t.tensor_split(world, dim=1)[rank].clone().requires_grad_() for t in (q, k, v))
-            ml = mask.tensor_split(world, dim=-1)[rank] if split else mask
+            ml = mask.tensor_split(world, dim=split)[rank] if split is not None else mask
             out = dispatch_attention_fn(
                 ql, kl, vl, attn_mask=ml, backend=AttentionBackendName.NATIVE, parallel_config=cfg
             )
@@ -110,38 +113,56 @@ def _attention_cases(rank: int, world: int) -> dict:
             }
     lse = _lse_case(rank, world, cfg)
     stats = get_transport().stats.sites
-    calls = {site: stats[site].calls for site in ("qkv", "d_qkv")}
+    calls = {site: stats[site].calls for site in ("qkv", "d_qkv", "mask")}
     registry = _registry_cases(rank, world, cfg)
     return {"errors": errors, "lse": lse, "calls": calls, "stock_mask_error": _stock_mask_error(rank, world, cfg),
             "registry": registry}  # fmt: skip
 
 
 def _registry_cases(rank: int, world: int, cfg) -> dict:
-    """Size exchanges with the layout registry: a verified layout skips the exchange on later identical forwards; a
-    registry that explains the lengths wrongly never gets trusted (verification fails on every rank alike)."""
+    """Size exchanges with the layout registry, three "forwards" with identical shapes per case.
+
+    - "identified": recorded splits of 13 and 9 tokens; a 13-token attention has local lengths no other candidate
+      shares on any rank, so no rank exchanges sizes, not even in the first forward.
+    - "ambiguous": splits of 13 and 12 tokens share local lengths on some ranks (13 → [7, 6] and 12 → [6, 6] at 2),
+      and one forward attends over both, in the order 13, 12, 13: the rank holding 6 tokens cannot tell them apart
+      (a cache keyed by local length would hit there and miss elsewhere: a hang). Every rank decides alike to exchange,
+      once per call in the first forward, then from the remembered call positions: none.
+    - "misleading" (verify mode): 12 tokens split outside the hooks while the registry only holds an 11-token split.
+      Some rank's length matches the wrong split; verify mode raises the same error on every rank.
+    """
     from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 
-    from train.cp.layout import REGISTRY
+    from train.cp.layout import REGISTRY, LayoutError
 
     out = {}
-    # "misleading": 12 tokens split outside the hooks while the registry holds an 11-token partition, which one
-    # rank's length matches: inference would be wrong on some ranks, so verification must fail on all.
-    for name, recorded, seq in (("right", (13, 9), 13), ("misleading", (11,), 12)):
-        exchanges, errors = [], []
-        for _ in range(3):  # three "forwards" with identical shapes
-            REGISTRY.reset(enabled=True)
-            for length in recorded:  # what the split hooks would record
-                REGISTRY.record(length, world)
-            gen = torch.Generator().manual_seed(5)
-            q, k, v = (torch.randn(1, seq, 7, 8, generator=gen) for _ in range(3))
-            ref = _serial(q, k, v, None)
-            shard = lambda t: t.tensor_split(world, dim=1)[rank]  # noqa: E731
-            before = REGISTRY.exchanges
-            y = dispatch_attention_fn(shard(q), shard(k), shard(v), backend=AttentionBackendName.NATIVE,
-                                      parallel_config=cfg)  # fmt: skip
-            exchanges.append(REGISTRY.exchanges - before)
-            errors.append((y - shard(ref)).abs().max().item())
-        out[name] = {"exchanges": exchanges, "max_error": max(errors)}
+    cases = (("identified", (13, 9), (13,), False), ("ambiguous", (13, 12), (13, 12, 13), False),
+             ("misleading", (11,), (12,), True))  # fmt: skip
+    for name, recorded, seqs, verify in cases:
+        exchanges, errors, raised = [], [], []
+        REGISTRY.verify = verify
+        try:
+            for _ in range(3):
+                REGISTRY.reset(enabled=True, scope=f"op-{name}")
+                for length in recorded:  # what the split hooks would record
+                    REGISTRY.record(length, world)
+                before = REGISTRY.exchanges
+                for seq in seqs:
+                    gen = torch.Generator().manual_seed(seq)
+                    q, k, v = (torch.randn(1, seq, 7, 8, generator=gen) for _ in range(3))
+                    ref = _serial(q, k, v, None)
+                    shard = lambda t: t.tensor_split(world, dim=1)[rank]  # noqa: E731
+                    try:
+                        y = dispatch_attention_fn(shard(q), shard(k), shard(v), backend=AttentionBackendName.NATIVE,
+                                                  parallel_config=cfg)  # fmt: skip
+                        errors.append((y - shard(ref)).abs().max().item())
+                    except LayoutError as e:
+                        raised.append(str(e).split(":")[0])
+                exchanges.append(REGISTRY.exchanges - before)
+        finally:
+            REGISTRY.verify = False
+        dist.barrier()  # every rank got here: nobody is stuck in a collective
+        out[name] = {"exchanges": exchanges, "max_error": max(errors, default=0.0), "raised": raised}
     return out
 
 
@@ -221,10 +242,14 @@ def test_ulysses_anything_matches_serial(world: int) -> None:
         assert lse["out"] <= 1e-12 and lse["lse"] <= 1e-12 and lse["dq"] <= 1e-12, lse
         assert not lse["lse_requires_grad"]
         # The CP path really ran: one fused Q/K/V all-to-all per forward and one dQ/dK/dV all-to-all per backward.
-        assert res["calls"] == {"qkv": 2 * len(CASES) + 1, "d_qkv": 2 * len(CASES) + 1}
-        # Verified once, then no size exchange; a misleading registry is never trusted; results exact either way.
-        assert res["registry"]["right"] == {"exchanges": [1, 0, 0], "max_error": 0.0}, res["registry"]
-        assert res["registry"]["misleading"]["exchanges"] == [1, 1, 1], res["registry"]
-        assert res["registry"]["misleading"]["max_error"] <= 1e-6
+        assert res["calls"] == {"qkv": 2 * len(CASES) + 1, "d_qkv": 2 * len(CASES) + 1, "mask": MASK_GATHERS}
+        # Identified layouts: no size exchange at all; ambiguous ones: one per call in the first forward, then none;
+        # a wrong registry is caught by verify mode on every rank alike. Results exact throughout.
+        reg = res["registry"]
+        assert reg["identified"] == {"exchanges": [0, 0, 0], "max_error": 0.0, "raised": []}, reg
+        assert reg["ambiguous"] == {"exchanges": [3, 0, 0], "max_error": 0.0, "raised": []}, reg
+        assert reg["misleading"]["exchanges"] == [1, 1, 1] and reg["misleading"]["max_error"] == 0.0, reg
+        failed = "CP layout registry check failed at 'sizes' (call 0 of op-misleading)"
+        assert reg["misleading"]["raised"] == [failed] * 3, reg
         if world in (3, 4):  # 13 keys split [5,4,4] / [4,3,3,3]: diffusers' stock mask assembly is wrong there
             assert res["stock_mask_error"] > 0.1, res["stock_mask_error"]

@@ -66,6 +66,11 @@ def _guard_cases(rank: int, world: int) -> dict:
     res["per_head"] = _expect_error(lambda: dispatch_attention_fn(q, q, q, attn_mask=per_head, **call))
     res["dropout"] = _expect_error(lambda: dispatch_attention_fn(q, q, q, dropout_p=0.1, **call))
     res["op_in_step"] = _in_step()
+    # A processor shared by a local-attention module (MiniMax's text refiner) and a CP one: refused before CP is set up.
+    minimax = build_model("minimax_h3")
+    minimax.set_attn_processor(type(minimax.token_refiner.refiner_blocks[0].attn.processor)())  # one instance for all
+    res["shared_local"] = _expect_error(lambda: enable_context_parallel(minimax, mesh=mesh))
+    res["shared_in_step"] = _in_step()
     # Wrong plan file: a path that is not in the model.
     res["bad_degree"] = _expect_error(lambda: enable_context_parallel(build_model("wan"), mesh=mesh, degree=world + 1))
     return res
@@ -81,4 +86,6 @@ def test_guards_refuse_before_any_collective() -> None:
         assert res["per_head"] and "per-head attention mask" in res["per_head"]
         assert res["dropout"] and "dropout" in res["dropout"]
         assert res["bad_degree"] and "disagrees" in res["bad_degree"]
+        assert res["shared_local"] and "are shared with other attention modules" in res["shared_local"]
         assert res["helios_in_step"] and res["ltx_in_step"] and res["ltx2_in_step"] and res["op_in_step"]
+        assert res["shared_in_step"]

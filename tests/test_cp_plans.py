@@ -19,6 +19,7 @@ from train.cp.plans import (
     PLAN_DIR,
     CPPlanSpec,
     load_plan_file,
+    local_attention_processors,
     plan_for,
     resolve_plan,
     training_problems,
@@ -260,6 +261,21 @@ def test_minimax_split_inside_repeated_blocks_is_fine() -> None:
     assert training_problems(plan_for(model), model) == []
 
 
+def test_local_attention_names_the_text_refiner_of_minimax() -> None:
+    # The refiner attends over the replicated text before the split: its processors (and only those) stay local.
+    model = tiny_model("MiniMaxH3Transformer3DModel")
+    spec = plan_for(model)
+    assert spec.local_attention == ("token_refiner",)
+    local = local_attention_processors(model, spec.local_attention)
+    refiner = [m.attn.processor for m in model.token_refiner.refiner_blocks]
+    assert [id(p) for p in local] == [id(p) for p in refiner] and len(refiner) >= 1
+    bad = CPPlanSpec(**{**spec.__dict__, "local_attention": ("token_refinr", "proj_out")})
+    with pytest.raises(ValueError) as err:
+        validate_plan(bad, model)
+    assert "local_attention 'token_refinr': 'token_refinr' is not a submodule" in str(err.value)
+    assert "local_attention 'proj_out': no attention module there" in str(err.value)
+
+
 def test_plan_for_base_class_and_unknown_class() -> None:
     class MyWan(diffusers.WanTransformer3DModel):
         pass
@@ -300,6 +316,8 @@ def test_plan_for_base_class_and_unknown_class() -> None:
         ),
         ("  blocks.0:", "  blocks..0:", 'plan."blocks..0": malformed module path'),
         ("gather: {dim: 1, expected_dims: 3}", "gather: []", "plan.proj_out.gather: empty gather list"),
+        ("layout_registry: true", "local_attention: blocks", "local_attention: expected a list of module paths"),
+        ("layout_registry: true", "local_attention: [blocks..0]", "local_attention.0: malformed module path"),
     ],
 )
 def test_loader_is_strict(tmp_path: Path, old: str, new: str, message: str) -> None:

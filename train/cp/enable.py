@@ -18,7 +18,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .comm import select_transport
 from .layout import REGISTRY
-from .plans import CPPlanSpec, load_plan_file, plan_for, training_problems, validate_plan
+from .plans import (
+    CPPlanSpec,
+    load_plan_file,
+    local_attention_processors,
+    plan_for,
+    training_problems,
+    validate_plan,
+)
 from .ulysses import install_ulysses_anything_backward
 
 __all__ = ["enable_context_parallel", "cp_device_type"]
@@ -157,6 +164,17 @@ def enable_context_parallel(
                 f"model.set_attention_backend(...) with one of {supported} first"
             )
 
+    # The plan's `local_attention` modules attend on replicated tokens without CP; their processors must not be
+    # shared with a module that attends on split tokens (set_attn_processor(one_instance) shares one everywhere).
+    local_procs = local_attention_processors(model, spec.local_attention)
+    local = {id(p) for p in local_procs}
+    if local and len(local_procs) != sum(id(p) in local for p in processors):
+        raise ValueError(
+            f"{type(model).__name__}: the attention processors of {list(spec.local_attention)} (attending without "
+            "CP, per the plan's local_attention) are shared with other attention modules; give those modules their "
+            "own processor instances (e.g. set_attn_processor with a dict, or the default processors)"
+        )
+
     install_ulysses_anything_backward()
     mesh = _resolve_mesh(mesh, degree)
     degree = mesh["ulysses"].size()
@@ -169,7 +187,7 @@ def enable_context_parallel(
     select_transport(transport, mesh["ulysses"].get_group(), device)
     model._parallel_config = config
     for proc in processors:
-        if proc is not None and hasattr(proc, "_parallel_config"):
+        if proc is not None and hasattr(proc, "_parallel_config") and id(proc) not in local:
             proc._parallel_config = config
     _install_guards(model, spec, problems if for_training is not False else [])
     apply_context_parallel(model, cp_config, spec.diffusers_plan(model))

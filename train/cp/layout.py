@@ -1,31 +1,40 @@
-"""Per-rank sequence lengths without a size exchange in every layer, decided identically on every rank.
+"""Per-rank sequence lengths for every attention layer without a size exchange, decided identically on every rank.
 
-Uneven Ulysses needs every rank's local lengths (all-to-all split sizes). Exchanging them in every attention call is
-one extra blocking collective per layer, and caching them by LOCAL length hangs (ranks hit and miss differently).
+Uneven Ulysses needs every rank's local lengths (the all-to-all split sizes). Exchanging them in every attention
+call is one extra blocking collective per layer; caching them by LOCAL length hangs, because ranks hit and miss such
+a cache differently.
 
-Instead, the CP split hooks record each partition they make: a tensor of global length L split over W ranks has
-per-rank sizes `tensor_split(L, W)`, which every rank knows (global shapes are identical everywhere). An attention
-call's local length is then explained by one recorded partition, or by the sum of two (joint attention concatenates
-text and image shards). Inference uses only the registry (identical on all ranks) and the call's own local length.
+The CP split hooks record each partition they make: a tensor of global length L split over W ranks has per-rank sizes
+`tensor_split(L, W)`, which every rank knows (global shapes are the same everywhere). Plans marked
+`layout_registry: true` assert that every attention sequence is one recorded partition or the sum of two (joint
+attention concatenates text and image shards). The candidate per-rank tables of a call are then known on every rank,
+and each rank sees one row of the true table: its own local lengths.
 
-It is used only for models whose plan file says `layout_registry: true`: the plan author asserts that every
-attention sequence is built from the plan's splits (not, e.g., a split tensor concatenated with an unsplit one of
-varying length, whose local lengths the registry cannot see). Under that assumption, safety does not rest on the
-inference heuristic either: a call is served from the registry only when the same (model, registry state, call
-index within the forward) was VERIFIED before — in an earlier forward with identical shapes, that call exchanged the
-sizes and checked that inference gives the exchanged table for every rank. The verdict is computed from exchanged
-data only, so it is the same on every rank; so is every later decision. A new shape (bucket) costs one verified
-forward; then each layer runs without a size exchange.
+Decision, the same on every rank (no collective needed to agree):
+- the call is *identified* when the true table is the only candidate matching its row on EVERY rank. A rank whose own
+  row matches one candidate knows the table and can check that; a rank whose row matches several knows the answer is
+  "no". So every rank reaches the same verdict, and identified calls issue no collective, first forward included.
+- otherwise (two candidates that share a rank's local length: lengths within ~W tokens of each other) the call
+  exchanges sizes once; the exchanged table is remembered under the call's position in the forward (model, recorded
+  partitions, call number, site: identical on all ranks), so later forwards with the same shapes need none.
+
+A rank whose length matches no candidate has met a plan whose assertion is wrong; it raises. `verify` mode (env
+`CTXTRAIN_CP_VERIFY_LAYOUT=1`; the model tests use it for every shipped plan) exchanges in every call and checks, from
+exchanged data only, that the registry decides right on every rank; it raises the same error on all ranks if not.
 """
 
 from __future__ import annotations
 
-from itertools import combinations
+import os
+from collections import Counter
+from itertools import combinations, product
 
 import torch
 import torch.distributed as dist
 
 from .comm import exchange_ints
+
+Table = tuple[tuple[int, ...], ...]  # one column per value, one entry per rank
 
 
 def split_sizes(n: int, world: int) -> list[int]:
@@ -33,54 +42,88 @@ def split_sizes(n: int, world: int) -> list[int]:
     return [n // world + (1 if i < n % world else 0) for i in range(world)]
 
 
+class LayoutError(RuntimeError):
+    """The plan's `layout_registry: true` assertion does not hold for this model."""
+
+
 class LayoutRegistry:
-    MAX_VERIFIED = 100_000
+    MAX_MEMO = 100_000
 
     def __init__(self) -> None:
         self.enabled = False  # set per forward from the plan's `layout_registry`; off: always exchange
-        self.scope = ""  # which model's forward this is: verdicts are per model
+        self.verify = os.environ.get("CTXTRAIN_CP_VERIFY_LAYOUT", "0") == "1"
+        self.scope = ""  # which model's forward this is: memos are per model
         self.partitions: list[tuple[int, ...]] = []
         self.calls = 0
-        self.verified: dict[tuple, bool] = {}
         self.exchanges = 0  # size exchanges actually issued (for tests and benchmarks)
-        self._candidates: dict[int, list[tuple[int, ...]]] = {}
+        self.memo: dict[tuple, list[list[int]]] = {}  # unidentifiable calls: exchanged rows by call position
+        self._tables: dict[tuple, tuple[list[Table], list[Counter]]] = {}
+        self._decided: dict[tuple, tuple[str, Table | None]] = {}
 
     def reset(self, enabled: bool, scope: str = "") -> None:
-        """Start of a model forward: partitions and call numbering start afresh (verdicts are kept)."""
-        self.enabled, self.scope, self.partitions, self.calls, self._candidates = enabled, scope, [], 0, {}
+        """Start of a model forward: partitions and call numbering start afresh (memos are kept)."""
+        self.enabled, self.scope, self.partitions, self.calls = enabled, scope, [], 0
 
     def record(self, length: int, world: int) -> None:
         sizes = tuple(split_sizes(length, world))
         if sizes not in self.partitions:
             self.partitions.append(sizes)
-            self._candidates = {}
 
-    def candidates(self, world: int) -> list[tuple[int, ...]]:
-        if world not in self._candidates:
-            parts = [p for p in self.partitions if len(p) == world]
-            sums = [tuple(a + b for a, b in zip(p, q)) for p, q in combinations(parts, 2)]
-            self._candidates[world] = list(dict.fromkeys(parts + sums))
-        return self._candidates[world]
+    # -- candidates -------------------------------------------------------------------------------------------------
 
-    def infer(self, value: int, rank: int, world: int) -> tuple[int, ...]:
-        """Every rank's value, given this rank's: a recorded layout if exactly one explains it, else the same value on
-        every rank (an unsplit length, a flag). Only ever trusted after verification."""
-        if value >= 0:
-            match = [c for c in self.candidates(world) if c[rank] == value]
-            if len(match) == 1:
-                return match[0]
-        return (value,) * world
+    def _candidates(self, state: tuple, world: int) -> list[tuple[int, ...]]:
+        parts = [p for p in state if len(p) == world]
+        sums = [tuple(a + b for a, b in zip(p, q)) for p, q in combinations(parts, 2)]
+        return list(dict.fromkeys(parts + sums))
 
-    def infer_all(self, values: list[int], rank: int, world: int, ties: tuple[int | None, ...]) -> list[tuple]:
-        """Inferred per-rank vectors for `values`. An entry with a tie `j` is not a length of its own (a mask dim):
-        it follows entry j's layout when equal to it on this rank, else it is the same on every rank."""
-        out: list[tuple[int, ...]] = []
-        for v, tie in zip(values, ties):
-            if tie is None:
-                out.append(self.infer(v, rank, world))
+    def _hypotheses(self, state: tuple, world: int, ties: tuple) -> tuple[list[Table], list[Counter]]:
+        """Every candidate table of a call, and per rank how many tables share each row (for identifiability).
+
+        A column with a tie `j` is not a length of its own (a mask dim): it is column j's layout, or the same on every
+        rank: absent (-1), broadcast (1) or the global length."""
+        key = (state, world, ties)
+        if key not in self._tables:
+            cands = self._candidates(state, world)
+            free = [i for i, t in enumerate(ties) if t is None]
+            tied = [i for i, t in enumerate(ties) if t is not None]
+            tables: set[Table] = set()
+            for choice in product(cands, repeat=len(free)):
+                cols: dict[int, tuple[int, ...]] = dict(zip(free, choice))
+                options = [
+                    list(dict.fromkeys([cols[ties[i]]] + [(v,) * world for v in (-1, 1, sum(cols[ties[i]]))]))
+                    for i in tied
+                ]
+                for opts in product(*options):
+                    cols.update(zip(tied, opts))
+                    tables.add(tuple(cols[i] for i in range(len(ties))))
+            ordered = sorted(tables)
+            rows = [Counter(tuple(col[r] for col in t) for t in ordered) for r in range(world)]
+            self._tables[key] = (ordered, rows)
+        return self._tables[key]
+
+    def decide(self, state: tuple, world: int, ties: tuple, rank: int, row: tuple[int, ...]):
+        """What `rank`, seeing `row`, concludes: ("identified", table), ("ambiguous", None) or ("unexplained", None).
+
+        A pure function of data every rank shares plus this rank's row; for the true table it gives the same verdict
+        on every rank (see the module docstring)."""
+        key = (state, world, ties, rank, row)
+        if key not in self._decided:
+            tables, rows = self._hypotheses(state, world, ties)
+            match = [t for t in tables if tuple(col[rank] for col in t) == row]
+            if not match:
+                verdict: tuple[str, Table | None] = ("unexplained", None)
+            elif len(match) > 1:
+                verdict = ("ambiguous", None)
             else:
-                out.append(out[tie] if v == values[tie] else (v,) * world)
-        return out
+                t = match[0]
+                unique = all(rows[r][tuple(col[r] for col in t)] == 1 for r in range(world))
+                verdict = ("identified", t) if unique else ("ambiguous", None)
+            if len(self._decided) >= self.MAX_MEMO:
+                self._decided.clear()
+            self._decided[key] = verdict
+        return self._decided[key]
+
+    # -- the call -------------------------------------------------------------------------------------------------
 
     def lengths(
         self,
@@ -90,26 +133,55 @@ class LayoutRegistry:
         site: str,
         ties: tuple[int | None, ...] | None = None,
     ) -> list[list[int]]:
-        """`values` of every rank (one row per rank), exchanging only when this call is not yet verified."""
+        """`values` of every rank (one row per rank), with a size exchange only when the layout is not identified."""
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         ties = ties or (None,) * len(values)
-        key = (self.scope, tuple(self.partitions), self.calls, site, ties)
+        state = tuple(self.partitions)
+        position = (self.scope, state, self.calls, site, ties)
         self.calls += 1
-        if self.enabled and self.verified.get(key):
-            cols = self.infer_all(values, rank, world, ties)
-            return [[col[i] for col in cols] for i in range(world)]
-        rows = exchange_ints(values, device, group, site)
-        self.exchanges += 1
-        # What inference would have said, seen from each rank: identical on every rank (exchanged data only).
-        ok = all(
-            [col[j] for col in self.infer_all(rows[i], i, world, ties)] == rows[j]
-            for i in range(world)
-            for j in range(world)
-        )
-        if len(self.verified) >= self.MAX_VERIFIED:
-            self.verified.clear()
-        self.verified[key] = ok
+        if not self.enabled:
+            return self._exchange(values, device, group, site)
+        if self.verify:
+            rows = self._exchange(values, device, group, site)
+            self._check(rows, state, world, ties, site)
+            return rows
+        verdict, table = self.decide(state, world, ties, rank, tuple(values))
+        if verdict == "identified":
+            return [[col[i] for col in table] for i in range(world)]
+        if verdict == "unexplained":
+            raise LayoutError(
+                f"CP layout registry: local lengths {values} at '{site}' (attention call {position[2]} of "
+                f"{self.scope}) match no split recorded by the plan's hooks {list(state)}. The plan's "
+                "`layout_registry: true` is wrong for this model: set it to false (sizes are then exchanged in every "
+                "call), or run once with CTXTRAIN_CP_VERIFY_LAYOUT=1 to see the failing call on every rank."
+            )
+        rows = self.memo.get(position)
+        if rows is not None:
+            assert rows[rank] == list(values), "same model, same splits, same call: layouts must repeat"
+            return rows
+        rows = self._exchange(values, device, group, site)
+        if len(self.memo) >= self.MAX_MEMO:
+            self.memo.clear()
+        self.memo[position] = rows
         return rows
+
+    def _exchange(self, values, device, group, site) -> list[list[int]]:
+        self.exchanges += 1
+        return exchange_ints(values, device, group, site)
+
+    def _check(self, rows: list[list[int]], state: tuple, world: int, ties: tuple, site: str) -> None:
+        """Verify mode: what every rank would have decided, computed from exchanged rows (so raised on all ranks)."""
+        truth = tuple(tuple(row[c] for row in rows) for c in range(len(ties)))
+        verdicts = [self.decide(state, world, ties, r, tuple(rows[r])) for r in range(world)]
+        kinds = {v for v, _ in verdicts}
+        ok = kinds == {"ambiguous"} or (kinds == {"identified"} and all(t == truth for _, t in verdicts))
+        if not ok:
+            raise LayoutError(
+                f"CP layout registry check failed at '{site}' (call {self.calls - 1} of {self.scope}): per-rank "
+                f"lengths {rows}, recorded splits {list(state)}, per-rank verdicts {[v for v, _ in verdicts]}. This "
+                "model builds an attention sequence the plan's splits do not explain: set `layout_registry: false` "
+                "in its plan."
+            )
 
 
 REGISTRY = LayoutRegistry()

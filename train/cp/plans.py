@@ -10,6 +10,8 @@ touching model code:
     training: supported                  # or: unsupported
     reason: null                         # required text when unsupported
     per_head_mask_inputs: []             # forward() args the processors expand to per-head masks (Ulysses can't shard)
+    layout_registry: true                # attention lengths come from the splits (train/cp/layout.py); default false
+    local_attention: []                  # module paths whose attention runs on replicated tokens: no CP there
     plan:
       rope:                              # a module path
         split_outputs:                   # output index -> spec (ContextParallelInput with split_output=True)
@@ -60,7 +62,9 @@ SplitPlan = dict[str | int, SplitValue]
 GatherPlan = ContextParallelOutput | list[ContextParallelOutput] | tuple[ContextParallelOutput, ...]
 DiffusersPlan = dict[str, SplitPlan | GatherPlan]
 
-_TOP_KEYS = ("model_class", "training", "reason", "per_head_mask_inputs", "layout_registry", "plan")
+_TOP_KEYS = (
+    "model_class", "training", "reason", "per_head_mask_inputs", "layout_registry", "local_attention", "plan"
+)  # fmt: skip
 _ENTRY_KEYS = ("split_inputs", "split_outputs", "gather")
 _SPEC_KEYS = ("dim", "expected_dims")
 _TRAINING_VALUES = ("supported", "unsupported")
@@ -79,9 +83,13 @@ class CPPlanSpec:
     path: Path
     # Gathers on wildcard paths that `plan` also splits (see the module docstring). Empty for every plan but Helios.
     extra_gathers: dict[str, GatherPlan] = field(default_factory=dict)
-    # Every attention sequence is built from this plan's splits, so per-rank lengths can come from the verified
+    # Every attention sequence is built from this plan's splits, so per-rank lengths can come from the
     # layout registry instead of a size exchange in every layer (train/cp/layout.py). Off unless the file says so.
     layout_registry: bool = False
+    # Module paths (wildcards allowed) whose attention modules see only replicated, unsplit tokens (e.g. a text
+    # refiner that runs before the sequence is split): they attend locally on every rank instead of through Ulysses,
+    # which would gather N identical copies of the sequence.
+    local_attention: tuple[str, ...] = ()
 
     def diffusers_plan(self, model: torch.nn.Module) -> DiffusersPlan:
         """`plan` plus `extra_gathers` expanded to this model's concrete module paths: what to hand to diffusers."""
@@ -267,6 +275,11 @@ def load_plan_file(path: str | Path) -> CPPlanSpec:
     if not isinstance(layout_registry, bool):
         raise ctx.error(("layout_registry",), f"expected true or false, got {layout_registry!r}")
 
+    local = top.get("local_attention", [])
+    if not isinstance(local, list):
+        raise ctx.error(("local_attention",), f"expected a list of module paths, got {local!r}")
+    local = [_check_module_path(ctx, ("local_attention", i), p) for i, p in enumerate(local)]
+
     entries = top["plan"]
     if not isinstance(entries, dict) or not entries:
         raise ctx.error(("plan",), "expected a non-empty mapping of module path -> entry")
@@ -297,6 +310,7 @@ def load_plan_file(path: str | Path) -> CPPlanSpec:
         path=path,
         extra_gathers=extra_gathers,
         layout_registry=layout_registry,
+        local_attention=tuple(local),
     )
 
 
@@ -497,6 +511,13 @@ def validate_plan(spec: CPPlanSpec, model: torch.nn.Module) -> None:
             elif gathers is not None and not all(isinstance(g, ContextParallelOutput) for g in gathers):
                 problems.append(f"plan path {path!r}: gathers must be ContextParallelOutput, got {value!r}")
 
+    for path in spec.local_attention:
+        found, error = _find_modules(model, path)
+        if error is not None:
+            problems.append(f"local_attention {path!r}: {error}")
+        elif not local_attention_processors(model, [path]):
+            problems.append(f"local_attention {path!r}: no attention module there")
+
     root_params = _forward_params(model)
     for name in spec.per_head_mask_inputs:
         if name not in root_params:
@@ -507,6 +528,19 @@ def validate_plan(spec: CPPlanSpec, model: torch.nn.Module) -> None:
             f"{_display(spec.path)}: the CP plan for {spec.model_class} does not fit this {names[0]}:\n  - "
             + "\n  - ".join(problems)
         )
+
+
+def local_attention_processors(model: torch.nn.Module, paths: Iterable[str]) -> list[Any]:
+    """The attention processors of every attention module at or under `paths` (they stay out of CP)."""
+    from diffusers.models.attention import AttentionModuleMixin
+    from diffusers.models.attention_processor import Attention
+
+    modules: dict[int, torch.nn.Module] = {}  # one entry per attention module, however the paths overlap
+    for path in paths:
+        found, _ = _find_modules(model, path)
+        for _, top in found:
+            modules.update((id(m), m) for m in top.modules() if isinstance(m, (Attention, AttentionModuleMixin)))
+    return [m.processor for m in modules.values()]
 
 
 def _inside_repeated_block(model: torch.nn.Module, path: str) -> str | None:

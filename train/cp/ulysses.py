@@ -44,26 +44,45 @@ class _Layout:
     heads: tuple[int, ...]  # heads each rank attends over after the exchange
 
 
-def _max_elems(xs: list[torch.Tensor], seq_sizes: list[tuple[int, ...]], lay: _Layout) -> int:
+def _max_elems(xs: list[torch.Tensor], seq_sizes: list[tuple[int, ...]], lay: _Layout, extra_row: int = 0) -> int:
     """The largest send or receive total of any rank for this exchange (both directions move the same blocks):
-    the same number on every rank, so fixed-buffer transports decide alike whether it fits."""
+    the same number on every rank, so fixed-buffer transports decide alike whether it fits. `extra_row`: elements per
+    token of an unsplit rider (a key mask) that every rank sends whole to every rank."""
     B, H = xs[0].shape[0], sum(lay.heads)
-    send = max(sum(B * sizes[i] * H * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) for i in range(lay.world))
+    kv = seq_sizes[-1]
+    send = max(
+        sum(B * sizes[i] * H * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) + lay.world * kv[i] * extra_row
+        for i in range(lay.world)
+    )
     recv = max(
-        sum(B * sum(sizes) * lay.heads[i] * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) for i in range(lay.world)
+        sum(B * sum(sizes) * lay.heads[i] * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) + sum(kv) * extra_row
+        for i in range(lay.world)
     )
     return max(send, recv)
 
 
-def _seq_to_heads(xs: list[torch.Tensor], seq_sizes: list[tuple[int, ...]], lay: _Layout, group, site: str):
-    """(B, s_r, H, D_t) per tensor → (B, S_t, h_r, D_t): scatter heads, gather sequence, one all-to-all for all."""
+def _seq_to_heads(
+    xs: list[torch.Tensor],
+    seq_sizes: list[tuple[int, ...]],
+    lay: _Layout,
+    group,
+    site: str,
+    extra: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """(B, s_r, H, D_t) per tensor → (B, S_t, h_r, D_t): scatter heads, gather sequence, one all-to-all for all.
+
+    `extra` (Bm, s_r, E), laid out like the last tensor's sequence, rides along unsplit: every rank gets all of it,
+    (Bm, S, E), appended to the result. That is how a split key mask travels without a collective of its own."""
     r, heads = lay.rank, lay.heads
     h_off = _offsets(list(heads))
     dtype, device = xs[0].dtype, xs[0].device
     B = xs[0].shape[0]
+    kv = seq_sizes[-1]
+    ex_row = 0 if extra is None else extra.shape[0] * extra.shape[2]  # elements per token of the rider
     # Send buffer, ordered by destination rank, then by tensor: one copy of each block straight into place.
     in_splits = [
-        sum(B * sizes[r] * heads[j] * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) for j in range(lay.world)
+        sum(B * sizes[r] * heads[j] * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) + kv[r] * ex_row
+        for j in range(lay.world)
     ]
     send = torch.empty(sum(in_splits), dtype=dtype, device=device)
     pos = 0
@@ -72,12 +91,17 @@ def _seq_to_heads(xs: list[torch.Tensor], seq_sizes: list[tuple[int, ...]], lay:
             blk = x[:, :, h_off[j] : h_off[j] + heads[j]]
             send[pos : pos + blk.numel()].view(blk.shape).copy_(blk)
             pos += blk.numel()
+        if extra is not None:
+            send[pos : pos + extra.numel()].view(extra.shape).copy_(extra)
+            pos += extra.numel()
     out_splits = [
-        sum(B * sizes[i] * heads[r] * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) for i in range(lay.world)
+        sum(B * sizes[i] * heads[r] * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) + kv[i] * ex_row
+        for i in range(lay.world)
     ]
-    recv = get_transport(group).all_to_all(send, in_splits, out_splits, group, site, _max_elems(xs, seq_sizes, lay))
+    max_elems = _max_elems(xs, seq_sizes, lay, ex_row)
+    recv = get_transport(group).all_to_all(send, in_splits, out_splits, group, site, max_elems)
     # Received: for each source rank i, for each tensor, a (B, s_i, h_r, D) block. Concatenate along the sequence.
-    pieces: list[list[torch.Tensor]] = [[] for _ in xs]
+    pieces: list[list[torch.Tensor]] = [[] for _ in range(len(xs) + (extra is not None))]
     pos = 0
     for i in range(lay.world):
         for t, (x, sizes) in enumerate(zip(xs, seq_sizes)):
@@ -85,6 +109,10 @@ def _seq_to_heads(xs: list[torch.Tensor], seq_sizes: list[tuple[int, ...]], lay:
             n = shape[0] * shape[1] * shape[2] * shape[3]
             pieces[t].append(recv[pos : pos + n].view(shape))
             pos += n
+        if extra is not None:
+            shape = (extra.shape[0], kv[i], extra.shape[2])
+            pieces[-1].append(recv[pos : pos + kv[i] * ex_row].view(shape))
+            pos += kv[i] * ex_row
     return [torch.cat(p, dim=1) for p in pieces]
 
 
@@ -139,20 +167,46 @@ def _normalise_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     )
 
 
-def _assemble_mask(mask, lens: list[list[int]], lay: _Layout, group) -> torch.Tensor | None:
-    """Bring a mask to the global (post all-to-all) layout, deciding from exchanged sizes only: same on all ranks."""
+def _key_split(lens: list[list[int]], lay: _Layout) -> bool:
+    """The mask's key dim is split like the keys (else it is whole on every rank); from exchanged data only."""
+    return lay.world > 1 and [row[3] for row in lens] == list(lay.kv_sizes)
+
+
+def _query_split(lens: list[list[int]], lay: _Layout) -> bool:
+    mq = [row[2] for row in lens]
+    return lay.world > 1 and mq == list(lay.q_sizes) and any(n != 1 for n in mq)
+
+
+def _mask_rider(mask: torch.Tensor | None, lens: list[list[int]], lay: _Layout, dtype: torch.dtype):
+    """A split key mask that can ride in the Q/K/V all-to-all: (Bm, s_kv, Mq) in the payload dtype, or None.
+
+    Bool masks (0/1 are exact in any float dtype) and masks already in the payload dtype qualify; a mask split on
+    queries too, or an additive mask of another dtype (casting would round it), takes a gather of its own."""
+    if mask is None or not _key_split(lens, lay) or _query_split(lens, lay):
+        return None
+    if mask.dtype != torch.bool and mask.dtype != dtype:
+        return None
+    return mask[:, 0].transpose(1, 2).to(dtype).contiguous()
+
+
+def _assemble_mask(mask, lens: list[list[int]], lay: _Layout, group, keys: torch.Tensor | None) -> torch.Tensor | None:
+    """Bring a mask to the global (post all-to-all) layout, deciding from exchanged sizes only: same on all ranks.
+    `keys`: the mask's key dim as it came back from the Q/K/V all-to-all (the rider), if it travelled there."""
     if mask is None:
         return None
     mq, mk = [row[2] for row in lens], [row[3] for row in lens]
     s_q, s_kv = sum(lay.q_sizes), sum(lay.kv_sizes)
-    if mk == list(lay.kv_sizes) and lay.world > 1:
+    if keys is not None:  # (Bm, S_kv, Mq) → (Bm, 1, Mq, S_kv)
+        full = keys.transpose(1, 2)[:, None]
+        mask = full != 0 if mask.dtype == torch.bool else full
+    elif _key_split(lens, lay):
         mask = all_gather_uneven(mask, -1, mk, group, "mask")  # split key padding: concatenate shards in rank order
     elif any(n != s_kv for n in mk):
         raise ValueError(
             f"attention mask key length per rank {mk} matches neither the local key lengths {list(lay.kv_sizes)} "
             f"nor the global key length {s_kv}"
         )
-    if mq == list(lay.q_sizes) and any(n != 1 for n in mq) and lay.world > 1:
+    if _query_split(lens, lay):
         mask = all_gather_uneven(mask, -2, mq, group, "mask")
     elif any(n not in (1, s_q) for n in mq):
         raise ValueError(
@@ -198,15 +252,17 @@ class UlyssesAnythingAttention(torch.autograd.Function):
         B, s_q, H, _ = query.shape
         mask_q = -1 if attn_mask is None else attn_mask.shape[-2]
         mask_k = -1 if attn_mask is None else attn_mask.shape[-1]
-        # Every rank's local lengths, identical on all ranks: from the verified layout registry (no collective), or
-        # one tiny exchange. Never cached by local size: that is how ranks hang (see layout.py).
+        # Every rank's local lengths, identical on all ranks: from the layout registry (no collective), or one tiny
+        # exchange. Never cached by local size: that is how ranks hang (see layout.py).
         lens = REGISTRY.lengths(
             [s_q, key.shape[1], mask_q, mask_k], query.device, group, "sizes", ties=(None, None, 0, 1)
         )
         lay = _Layout(rank, world, tuple(r[0] for r in lens), tuple(r[1] for r in lens), tuple(split_sizes(H, world)))
-        attn_mask = _assemble_mask(attn_mask, lens, lay, group)
-
-        q, k, v = _seq_to_heads([query, key, value], [lay.q_sizes, lay.kv_sizes, lay.kv_sizes], lay, group, "qkv")
+        rider = _mask_rider(attn_mask, lens, lay, query.dtype)
+        q, k, v, *keys = _seq_to_heads(
+            [query, key, value], [lay.q_sizes, lay.kv_sizes, lay.kv_sizes], lay, group, "qkv", extra=rider
+        )
+        attn_mask = _assemble_mask(attn_mask, lens, lay, group, keys[0] if keys else None)
 
         ctx.forward_op, ctx.backward_op, ctx._parallel_config = forward_op, backward_op, _parallel_config
         ctx.layout, ctx.group, ctx.empty = lay, group, lay.heads[rank] == 0
@@ -278,7 +334,7 @@ def install_ulysses_anything_backward() -> None:
     - `hooks.context_parallel.AllGatherAnythingFunction` / `_all_gather_anything` → `GatherAnything` (uneven output
       gather that gloo accepts, exact backward slice);
     - `PartitionAnythingSharder.shard_anything` records each split in the layout registry (layout.py), so layers
-      need no per-call size exchange once a forward's layout is verified.
+      need no per-call size exchange.
     """
     from diffusers.hooks import context_parallel as cp_hooks
     from diffusers.models import attention_dispatch
