@@ -296,8 +296,8 @@ def main() -> None:
         model_rows += _model_rows(world, merged)
     print(table(headers, rows))
     print("\n### Whole tiny model, two training steps (forward + backward) with the same shapes (ours)\n")
-    print("Per-site collectives per rank and bytes summed over ranks. 'gather_sizes'/'gather' = the output gather at "
-          "proj_out (once per forward; its backward is a local slice).\n")  # fmt: skip
+    print("Per-site collectives per rank and bytes summed over ranks. 'gather' = the output gather at proj_out (once "
+          "per forward; its backward is a local slice).\n")  # fmt: skip
     print(
         table(
             ["N", "model", "shape", "step", "fwd collectives", "fwd bytes", "bwd collectives", "bwd bytes"], model_rows

@@ -122,3 +122,59 @@ def test_models_match_serial(world: int, checkpointing: bool) -> None:
     # fp32 everywhere; fp64 once per degree (without checkpointing) for the exactness check.
     dtypes = (torch.float32,) if checkpointing else (torch.float32, torch.float64)
     _check(world, checkpointing, run_distributed(_run_models, world, checkpointing, dtypes))
+
+
+def _smaller_flux(inputs: dict) -> dict:
+    """The same model inputs with fewer image (22) and text (4) tokens: another bucket, another split layout."""
+    out = dict(inputs)
+    out["hidden_states"], out["img_ids"] = inputs["hidden_states"][:, :22], inputs["img_ids"][:22]
+    out["encoder_hidden_states"], out["txt_ids"] = inputs["encoder_hidden_states"][:, :4], inputs["txt_ids"][:4]
+    return out
+
+
+def _two_shapes_then_backward(rank: int, world: int) -> dict:
+    """Two forwards of different shapes, then one backward, under activation checkpointing: the recompute of the first
+    forward runs after the second one replaced the recorded splits. With `enable_gradient_checkpointing()` after CP
+    (checkpoint_with_layout) the recompute replays its own forward's registry: no size exchange. With another
+    checkpoint function it exchanges sizes in every recomputed layer: slower, never wrong or hung."""
+    import torch.utils.checkpoint
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from train.cp import enable_context_parallel
+    from train.cp.layout import REGISTRY
+    from train.cp.reduce import GradReduction
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses"))
+    reduction = GradReduction("allreduce", cp_group=mesh["ulysses"].get_group())
+    a, b = build_inputs("flux", seed=1), _smaller_flux(build_inputs("flux", seed=3))
+
+    def step(model) -> None:
+        outs = [output_tensors("flux", model(**x, return_dict=False)) for x in (a, b)]
+        (make_loss("flux", outs[0], seed=2) + make_loss("flux", outs[1], seed=4)).backward()
+
+    serial = build_model("flux", seed=0)
+    serial.enable_gradient_checkpointing()
+    step(serial)
+    ref = {n: p.grad for n, p in serial.named_parameters()}
+    plain = lambda m, *args: torch.utils.checkpoint.checkpoint(m.__call__, *args, use_reentrant=False)  # noqa: E731
+    res = {}
+    for mode, func in (("replayed", None), ("other checkpoint function", plain)):
+        model = build_model("flux", seed=0)
+        enable_context_parallel(model, mesh=mesh)
+        model.enable_gradient_checkpointing(func)
+        before = REGISTRY.exchanges
+        step(model)
+        reduction.reduce_gradients(model.parameters())
+        res[mode] = {
+            "exchanges": REGISTRY.exchanges - before,
+            "grad": max(_rel(p.grad, ref[n]) for n, p in model.named_parameters()),
+        }
+    return res
+
+
+def test_checkpoint_recompute_after_another_shape() -> None:
+    for res in run_distributed(_two_shapes_then_backward, 2):
+        assert res["replayed"]["exchanges"] == 0 and res["replayed"]["grad"] <= TOL[torch.float32], res
+        # 2 blocks x 2 forwards recomputed, one exchange each (the forwards themselves need none).
+        other = res["other checkpoint function"]
+        assert other["exchanges"] == 4 and other["grad"] <= TOL[torch.float32], res

@@ -8,6 +8,7 @@ registered with diffusers' own `apply_context_parallel`.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .comm import select_transport
-from .layout import REGISTRY
+from .layout import REGISTRY, checkpoint_with_layout
 from .plans import (
     CPPlanSpec,
     load_plan_file,
@@ -110,6 +111,18 @@ def _install_guards(model: torch.nn.Module, spec: CPPlanSpec, problems: list[str
     model.register_forward_pre_hook(guard, with_kwargs=True)
 
 
+def _checkpoint_with_layout_by_default(model: torch.nn.Module) -> None:
+    """`model.enable_gradient_checkpointing()` (no function given) now uses `checkpoint_with_layout`, whose recompute
+    sees the layout registry of its own forward (layout.py); any other function stays correct, exchanging sizes."""
+    enable = model.enable_gradient_checkpointing
+
+    @functools.wraps(enable)
+    def enable_gradient_checkpointing(gradient_checkpointing_func=None) -> None:
+        enable(gradient_checkpointing_func or checkpoint_with_layout)
+
+    model.enable_gradient_checkpointing = enable_gradient_checkpointing
+
+
 def enable_context_parallel(
     model: torch.nn.Module,
     *,
@@ -190,6 +203,7 @@ def enable_context_parallel(
         if proc is not None and hasattr(proc, "_parallel_config") and id(proc) not in local:
             proc._parallel_config = config
     _install_guards(model, spec, problems if for_training is not False else [])
+    _checkpoint_with_layout_by_default(model)
     apply_context_parallel(model, cp_config, spec.diffusers_plan(model))
     model._cp_plan_spec = spec  # for reporting (which plan file is active)
     return config

@@ -18,6 +18,11 @@ Decision, the same on every rank (no collective needed to agree):
   exchanges sizes once; the exchanged table is remembered under the call's position in the forward (model, recorded
   partitions, call number, site: identical on all ranks), so later forwards with the same shapes need none.
 
+Activation checkpointing recomputes blocks inside the backward, possibly after other forwards changed the registry.
+`checkpoint_with_layout` (what `enable_gradient_checkpointing` uses once CP is enabled) restores, for the recompute,
+the registry as the original forward saw it: same splits, same call numbers, so again no collective. A recompute
+without that (another checkpoint function) exchanges sizes in every call: slower, but the same on every rank.
+
 A rank whose length matches no candidate has met a plan whose assertion is wrong; it raises. `verify` mode (env
 `CTXTRAIN_CP_VERIFY_LAYOUT=1`; the model tests use it for every shipped plan) exchanges in every call and checks, from
 exchanged data only, that the registry decides right on every rank; it raises the same error on all ranks if not.
@@ -25,12 +30,14 @@ exchanged data only, that the registry decides right on every rank; it raises th
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
 from itertools import combinations, product
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 from .comm import exchange_ints
 
@@ -59,6 +66,7 @@ class LayoutRegistry:
         self.memo: dict[tuple, list[list[int]]] = {}  # unidentifiable calls: exchanged rows by call position
         self._tables: dict[tuple, tuple[list[Table], list[Counter]]] = {}
         self._decided: dict[tuple, tuple[str, Table | None]] = {}
+        self.replaying = 0  # > 0 inside a checkpoint recompute that restored the forward's registry
 
     def reset(self, enabled: bool, scope: str = "") -> None:
         """Start of a model forward: partitions and call numbering start afresh (memos are kept)."""
@@ -68,6 +76,31 @@ class LayoutRegistry:
         sizes = tuple(split_sizes(length, world))
         if sizes not in self.partitions:
             self.partitions.append(sizes)
+
+    # -- activation checkpointing -----------------------------------------------------------------------------------
+
+    def snapshot(self) -> tuple:
+        return self.enabled, self.scope, tuple(self.partitions), self.calls
+
+    def restore(self, snap: tuple) -> None:
+        self.enabled, self.scope, partitions, self.calls = snap
+        self.partitions = list(partitions)
+
+    def checkpoint_contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """`context_fn` for `torch.utils.checkpoint` (non-reentrant): called when the block first runs; its second
+        context wraps the recompute in the backward, which then sees the registry exactly as the first run did."""
+        return contextlib.nullcontext(), self._replay(self.snapshot())
+
+    @contextlib.contextmanager
+    def _replay(self, snap: tuple):
+        outer = self.snapshot()
+        self.restore(snap)
+        self.replaying += 1
+        try:
+            yield
+        finally:
+            self.replaying -= 1
+            self.restore(outer)
 
     # -- candidates -------------------------------------------------------------------------------------------------
 
@@ -139,7 +172,10 @@ class LayoutRegistry:
         state = tuple(self.partitions)
         position = (self.scope, state, self.calls, site, ties)
         self.calls += 1
-        if not self.enabled:
+        # A recompute in the backward that did not restore its forward's registry (see the module docstring): the
+        # splits recorded now may belong to another forward. Every rank is in the same backward: all exchange.
+        unrestored = not self.replaying and torch._C._current_graph_task_id() != -1
+        if not self.enabled or unrestored:
             return self._exchange(values, device, group, site)
         if self.verify:
             rows = self._exchange(values, device, group, site)
@@ -185,3 +221,10 @@ class LayoutRegistry:
 
 
 REGISTRY = LayoutRegistry()
+
+
+def checkpoint_with_layout(module: torch.nn.Module, *args):
+    """A diffusers `gradient_checkpointing_func`: non-reentrant checkpoint, recompute replays the layout registry."""
+    return torch.utils.checkpoint.checkpoint(
+        module.__call__, *args, use_reentrant=False, context_fn=REGISTRY.checkpoint_contexts
+    )
