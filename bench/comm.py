@@ -137,11 +137,16 @@ def _rank_fn(rank: int, world: int) -> list[dict]:
         # Ours: forward + backward. As under a plan with `layout_registry: true` (every shipped plan): the split
         # hook has recorded the sequence's partition, so the layer takes every rank's length from the registry.
         # Once without it (op-level use, or a plan without the registry): one size exchange per call.
-        for impl, registry in (("ours (trainable Ulysses-Anything)", True), ("ours, no layout registry", False)):
-            if not registry and label != "H7 S61 (uneven H, S)":
+        # Once more where the registry can only bound the lengths (a second split of S-1 tokens shares local lengths
+        # on some rank): padded chunks plus 8 bytes per length in-band.
+        variants = (("ours (trainable Ulysses-Anything)", True, (S,)), ("ours, no layout registry", False, (S,)),
+                    ("ours, registry bounds only", True, (S, S - 1)))  # fmt: skip
+        for impl, registry, recorded in variants:
+            if impl != variants[0][0] and label != "H7 S61 (uneven H, S)":
                 continue
-            REGISTRY.reset(enabled=registry, scope=f"bench-{label}")
-            REGISTRY.record(S, world)  # what the plan's split hook records
+            REGISTRY.reset(enabled=registry, scope=f"bench-{label}-{len(recorded)}")
+            for length in recorded:  # what the plan's split hooks record
+                REGISTRY.record(length, world)
             q, k, v, dout, mask = _inputs(S, H, mask_kind, rank, world, seed)
             q, k, v = (t.requires_grad_() for t in (q, k, v))
             stats.reset()

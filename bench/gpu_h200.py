@@ -265,7 +265,7 @@ def _attention_case(N, S, H, D, device, fwd_op, bwd_op, group_error, cells: list
     seq = [lay.q_sizes, lay.kv_sizes, lay.kv_sizes]
 
     def layout():
-        qh, kh, vh = _seq_to_heads([ql, kl, vl], seq, lay, None, "qkv")  # (1, S, h, D) each
+        (qh, kh, vh), _ = _seq_to_heads([ql, kl, vl], seq, lay, None, "qkv")  # (1, S, h, D) each
         _heads_to_seq([qh], [lay.q_sizes], lay, None, "out")  # O back to (1, s_local, H, D)
         _seq_to_heads([dol], [lay.q_sizes], lay, None, "d_out")
         _heads_to_seq([qh, kh, vh], seq, lay, None, "d_qkv")

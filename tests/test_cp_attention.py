@@ -126,8 +126,10 @@ def _registry_cases(rank: int, world: int, cfg) -> dict:
       shares on any rank, so no rank exchanges sizes, not even in the first forward.
     - "ambiguous": splits of 13 and 12 tokens share local lengths on some ranks (13 → [7, 6] and 12 → [6, 6] at 2),
       and one forward attends over both, in the order 13, 12, 13: the rank holding 6 tokens cannot tell them apart
-      (a cache keyed by local length would hit there and miss elsewhere: a hang). Every rank decides alike to exchange,
-      once per call in the first forward, then from the remembered call positions: none.
+      (a cache keyed by local length would hit there and miss elsewhere: a hang). Every rank knows the same upper
+      bounds, pads its chunks to them and sends its true lengths along: still no exchange.
+    - "ambiguous_masked": the same with a split key mask (which cannot ride padded chunks): every rank decides alike
+      to exchange, once per call in the first forward, then from the remembered call positions: none.
     - "misleading" (verify mode): 12 tokens split outside the hooks while the registry only holds an 11-token split.
       Some rank's length matches the wrong split; verify mode raises the same error on every rank.
     """
@@ -136,9 +138,13 @@ def _registry_cases(rank: int, world: int, cfg) -> dict:
     from train.cp.layout import REGISTRY, LayoutError
 
     out = {}
-    cases = (("identified", (13, 9), (13,), False), ("ambiguous", (13, 12), (13, 12, 13), False),
-             ("misleading", (11,), (12,), True))  # fmt: skip
-    for name, recorded, seqs, verify in cases:
+    cases = (
+        ("identified", (13, 9), (13,), False, False),
+        ("ambiguous", (13, 12), (13, 12, 13), False, False),
+        ("ambiguous_masked", (13, 12), (13, 12, 13), True, False),
+        ("misleading", (11,), (12,), False, True),
+    )
+    for name, recorded, seqs, masked, verify in cases:
         exchanges, errors, raised = [], [], []
         REGISTRY.verify = verify
         try:
@@ -149,13 +155,22 @@ def _registry_cases(rank: int, world: int, cfg) -> dict:
                 before = REGISTRY.exchanges
                 for seq in seqs:
                     gen = torch.Generator().manual_seed(seq)
-                    q, k, v = (torch.randn(1, seq, 7, 8, generator=gen) for _ in range(3))
-                    ref = _serial(q, k, v, None)
+                    q, k, v, dout = (torch.randn(1, seq, 7, 8, generator=gen) for _ in range(4))
+                    keep = torch.rand(1, seq, generator=gen) > 0.3 if masked else None
+                    if keep is not None:
+                        keep[:, 0] = True
+                    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+                    ref = _serial(qs, ks, vs, keep)
+                    ref.backward(dout)
                     shard = lambda t: t.tensor_split(world, dim=1)[rank]  # noqa: E731
+                    ql, kl, vl = (shard(t).clone().requires_grad_() for t in (q, k, v))
+                    ml = None if keep is None else keep.tensor_split(world, dim=-1)[rank]
                     try:
-                        y = dispatch_attention_fn(shard(q), shard(k), shard(v), backend=AttentionBackendName.NATIVE,
+                        y = dispatch_attention_fn(ql, kl, vl, attn_mask=ml, backend=AttentionBackendName.NATIVE,
                                                   parallel_config=cfg)  # fmt: skip
-                        errors.append((y - shard(ref)).abs().max().item())
+                        y.backward(shard(dout))
+                        errors += [(a - shard(b)).abs().max().item() for a, b in
+                                   ((y, ref), (ql.grad, qs.grad), (kl.grad, ks.grad), (vl.grad, vs.grad))]  # fmt: skip
                     except LayoutError as e:
                         raised.append(str(e).split(":")[0])
                 exchanges.append(REGISTRY.exchanges - before)
@@ -243,11 +258,13 @@ def test_ulysses_anything_matches_serial(world: int) -> None:
         assert not lse["lse_requires_grad"]
         # The CP path really ran: one fused Q/K/V all-to-all per forward and one dQ/dK/dV all-to-all per backward.
         assert res["calls"] == {"qkv": 2 * len(CASES) + 1, "d_qkv": 2 * len(CASES) + 1, "mask": MASK_GATHERS}
-        # Identified layouts: no size exchange at all; ambiguous ones: one per call in the first forward, then none;
-        # a wrong registry is caught by verify mode on every rank alike. Results exact throughout.
+        # No size exchange, whether the registry identifies the layout or only bounds it; a masked call it cannot
+        # identify: one per call in the first forward, then none; a wrong registry is caught by verify mode on every
+        # rank alike. Output and dQ/dK/dV exact throughout.
         reg = res["registry"]
         assert reg["identified"] == {"exchanges": [0, 0, 0], "max_error": 0.0, "raised": []}, reg
-        assert reg["ambiguous"] == {"exchanges": [3, 0, 0], "max_error": 0.0, "raised": []}, reg
+        assert reg["ambiguous"] == {"exchanges": [0, 0, 0], "max_error": 0.0, "raised": []}, reg
+        assert reg["ambiguous_masked"] == {"exchanges": [3, 0, 0], "max_error": 0.0, "raised": []}, reg
         assert reg["misleading"]["exchanges"] == [1, 1, 1] and reg["misleading"]["max_error"] == 0.0, reg
         failed = "CP layout registry check failed at 'sizes' (call 0 of op-misleading)"
         assert reg["misleading"]["raised"] == [failed] * 3, reg

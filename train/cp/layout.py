@@ -14,9 +14,12 @@ Decision, the same on every rank (no collective needed to agree):
 - the call is *identified* when the true table is the only candidate matching its row on EVERY rank. A rank whose own
   row matches one candidate knows the table and can check that; a rank whose row matches several knows the answer is
   "no". So every rank reaches the same verdict, and identified calls issue no collective, first forward included.
-- otherwise (two candidates that share a rank's local length: lengths within ~W tokens of each other) the call
-  exchanges sizes once; the exchanged table is remembered under the call's position in the forward (model, recorded
-  partitions, call number, site: identical on all ranks), so later forwards with the same shapes need none.
+- otherwise two candidates share a rank's local length (split lengths within ~W tokens of each other). The tables
+  linked that way form a class every rank can name (each rank's matches all lie in the true table's class), so every
+  rank knows the same per-rank UPPER BOUNDS: the attention pads its all-to-all chunks to them and carries each rank's
+  true lengths in-band (ulysses.py), still without a collective of its own. A caller that cannot pad (the output
+  gather, a call with a mask) exchanges sizes once instead; that table is remembered under the call's position in the
+  forward (model, recorded partitions, call number, site: identical on all ranks), so later forwards need none.
 
 Activation checkpointing recomputes blocks inside the backward, possibly after other forwards changed the registry.
 `checkpoint_with_layout` (what `enable_gradient_checkpointing` uses once CP is enabled) restores, for the recompute,
@@ -109,8 +112,9 @@ class LayoutRegistry:
         sums = [tuple(a + b for a, b in zip(p, q)) for p, q in combinations(parts, 2)]
         return list(dict.fromkeys(parts + sums))
 
-    def _hypotheses(self, state: tuple, world: int, ties: tuple) -> tuple[list[Table], list[Counter]]:
-        """Every candidate table of a call, and per rank how many tables share each row (for identifiability).
+    def _hypotheses(self, state: tuple, world: int, ties: tuple) -> tuple[list[Table], list[Counter], list[Table]]:
+        """Every candidate table of a call; per rank how many tables share each row (for identifiability); and per
+        table the upper bound of its confusable class (tables linked by sharing a row on some rank), column by column.
 
         A column with a tie `j` is not a length of its own (a mask dim): it is column j's layout, or the same on every
         rank: absent (-1), broadcast (1) or the global length."""
@@ -130,27 +134,47 @@ class LayoutRegistry:
                     cols.update(zip(tied, opts))
                     tables.add(tuple(cols[i] for i in range(len(ties))))
             ordered = sorted(tables)
-            rows = [Counter(tuple(col[r] for col in t) for t in ordered) for r in range(world)]
-            self._tables[key] = (ordered, rows)
+            row_of = lambda t, r: tuple(col[r] for col in t)  # noqa: E731
+            rows = [Counter(row_of(t, r) for t in ordered) for r in range(world)]
+            # Confusable classes (union-find over "same row on some rank"), and each class's per-column maxima.
+            parent = list(range(len(ordered)))
+
+            def find(i: int) -> int:
+                while parent[i] != i:
+                    parent[i] = parent[parent[i]]
+                    i = parent[i]
+                return i
+
+            for r in range(world):
+                first: dict[tuple, int] = {}
+                for i, t in enumerate(ordered):
+                    j = first.setdefault(row_of(t, r), i)
+                    parent[find(i)] = find(j)
+            top: dict[int, list[list[int]]] = {}
+            for i, t in enumerate(ordered):
+                b = top.setdefault(find(i), [list(col) for col in t])
+                for c, col in enumerate(t):
+                    b[c] = [max(x, y) for x, y in zip(b[c], col)]
+            bounds = [tuple(tuple(col) for col in top[find(i)]) for i in range(len(ordered))]
+            self._tables[key] = (ordered, rows, bounds)
         return self._tables[key]
 
     def decide(self, state: tuple, world: int, ties: tuple, rank: int, row: tuple[int, ...]):
-        """What `rank`, seeing `row`, concludes: ("identified", table), ("ambiguous", None) or ("unexplained", None).
+        """What `rank`, seeing `row`, concludes: ("identified", table), ("ambiguous", upper bounds of the table's
+        confusable class) or ("unexplained", None).
 
-        A pure function of data every rank shares plus this rank's row; for the true table it gives the same verdict
-        on every rank (see the module docstring)."""
+        A pure function of data every rank shares plus this rank's row; for the true table it gives the same verdict,
+        and the same bounds, on every rank (see the module docstring)."""
         key = (state, world, ties, rank, row)
         if key not in self._decided:
-            tables, rows = self._hypotheses(state, world, ties)
-            match = [t for t in tables if tuple(col[rank] for col in t) == row]
+            tables, rows, bounds = self._hypotheses(state, world, ties)
+            match = [i for i, t in enumerate(tables) if tuple(col[rank] for col in t) == row]
             if not match:
                 verdict: tuple[str, Table | None] = ("unexplained", None)
-            elif len(match) > 1:
-                verdict = ("ambiguous", None)
             else:
-                t = match[0]
-                unique = all(rows[r][tuple(col[r] for col in t)] == 1 for r in range(world))
-                verdict = ("identified", t) if unique else ("ambiguous", None)
+                t = tables[match[0]]
+                unique = len(match) == 1 and all(rows[r][tuple(col[r] for col in t)] == 1 for r in range(world))
+                verdict = ("identified", t) if unique else ("ambiguous", bounds[match[0]])
             if len(self._decided) >= self.MAX_MEMO:
                 self._decided.clear()
             self._decided[key] = verdict
@@ -167,6 +191,23 @@ class LayoutRegistry:
         ties: tuple[int | None, ...] | None = None,
     ) -> list[list[int]]:
         """`values` of every rank (one row per rank), with a size exchange only when the layout is not identified."""
+        rows, exact = self.resolve(values, device, group, site, ties, bounds_ok=False)
+        assert exact
+        return rows
+
+    def resolve(
+        self,
+        values: list[int],
+        device: torch.device,
+        group: dist.ProcessGroup,
+        site: str,
+        ties: tuple[int | None, ...] | None = None,
+        bounds_ok: bool = False,
+    ) -> tuple[list[list[int]], bool]:
+        """(rows, exact): every rank's `values` (one row per rank) when `exact`; else, only with `bounds_ok`, per-rank
+        upper bounds, the same on every rank, and the caller carries the true values in-band (ulysses.py pads its
+        all-to-all to the bounds and sends each rank's row along). A size exchange only when the layout is not
+        identified and bounds will not do."""
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         ties = ties or (None,) * len(values)
         state = tuple(self.partitions)
@@ -176,14 +217,12 @@ class LayoutRegistry:
         # splits recorded now may belong to another forward. Every rank is in the same backward: all exchange.
         unrestored = not self.replaying and torch._C._current_graph_task_id() != -1
         if not self.enabled or unrestored:
-            return self._exchange(values, device, group, site)
+            return self._exchange(values, device, group, site), True
         if self.verify:
             rows = self._exchange(values, device, group, site)
             self._check(rows, state, world, ties, site)
-            return rows
+            return rows, True
         verdict, table = self.decide(state, world, ties, rank, tuple(values))
-        if verdict == "identified":
-            return [[col[i] for col in table] for i in range(world)]
         if verdict == "unexplained":
             raise LayoutError(
                 f"CP layout registry: local lengths {values} at '{site}' (attention call {position[2]} of "
@@ -191,15 +230,20 @@ class LayoutRegistry:
                 "`layout_registry: true` is wrong for this model: set it to false (sizes are then exchanged in every "
                 "call), or run once with CTXTRAIN_CP_VERIFY_LAYOUT=1 to see the failing call on every rank."
             )
+        rows_of = [[col[i] for col in table] for i in range(world)]
+        if verdict == "identified":
+            return rows_of, True
+        if bounds_ok:
+            return rows_of, False
         rows = self.memo.get(position)
         if rows is not None:
             assert rows[rank] == list(values), "same model, same splits, same call: layouts must repeat"
-            return rows
+            return rows, True
         rows = self._exchange(values, device, group, site)
         if len(self.memo) >= self.MAX_MEMO:
             self.memo.clear()
         self.memo[position] = rows
-        return rows
+        return rows, True
 
     def _exchange(self, values, device, group, site) -> list[list[int]]:
         self.exchanges += 1
@@ -210,7 +254,14 @@ class LayoutRegistry:
         truth = tuple(tuple(row[c] for row in rows) for c in range(len(ties)))
         verdicts = [self.decide(state, world, ties, r, tuple(rows[r])) for r in range(world)]
         kinds = {v for v, _ in verdicts}
-        ok = kinds == {"ambiguous"} or (kinds == {"identified"} and all(t == truth for _, t in verdicts))
+        bounds = {t for _, t in verdicts}
+
+        def covers(bound: Table) -> bool:
+            return all(b >= x for bc, tc in zip(bound, truth) for b, x in zip(bc, tc))
+
+        ok = (kinds == {"identified"} and bounds == {truth}) or (
+            kinds == {"ambiguous"} and len(bounds) == 1 and covers(next(iter(bounds)))
+        )
         if not ok:
             raise LayoutError(
                 f"CP layout registry check failed at '{site}' (call {self.calls - 1} of {self.scope}): per-rank "

@@ -44,18 +44,21 @@ class _Layout:
     heads: tuple[int, ...]  # heads each rank attends over after the exchange
 
 
-def _max_elems(xs: list[torch.Tensor], seq_sizes: list[tuple[int, ...]], lay: _Layout, extra_row: int = 0) -> int:
+Rider = tuple[torch.Tensor, tuple[int, ...]]  # a 1-D local tensor sent whole to every rank, and its size per rank
+
+
+def _max_elems(xs: list[torch.Tensor], seq_sizes: list[tuple[int, ...]], lay: _Layout, riders=()) -> int:
     """The largest send or receive total of any rank for this exchange (both directions move the same blocks):
-    the same number on every rank, so fixed-buffer transports decide alike whether it fits. `extra_row`: elements per
-    token of an unsplit rider (a key mask) that every rank sends whole to every rank."""
+    the same number on every rank, so fixed-buffer transports decide alike whether it fits."""
     B, H = xs[0].shape[0], sum(lay.heads)
-    kv = seq_sizes[-1]
     send = max(
-        sum(B * sizes[i] * H * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) + lay.world * kv[i] * extra_row
+        sum(B * sizes[i] * H * x.shape[-1] for x, sizes in zip(xs, seq_sizes))
+        + lay.world * sum(n[i] for _, n in riders)
         for i in range(lay.world)
     )
     recv = max(
-        sum(B * sum(sizes) * lay.heads[i] * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) + sum(kv) * extra_row
+        sum(B * sum(sizes) * lay.heads[i] * x.shape[-1] for x, sizes in zip(xs, seq_sizes))
+        + sum(sum(n) for _, n in riders)
         for i in range(lay.world)
     )
     return max(send, recv)
@@ -67,22 +70,21 @@ def _seq_to_heads(
     lay: _Layout,
     group,
     site: str,
-    extra: torch.Tensor | None = None,
-) -> list[torch.Tensor]:
+    riders: list[Rider] = (),
+) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
     """(B, s_r, H, D_t) per tensor → (B, S_t, h_r, D_t): scatter heads, gather sequence, one all-to-all for all.
 
-    `extra` (Bm, s_r, E), laid out like the last tensor's sequence, rides along unsplit: every rank gets all of it,
-    (Bm, S, E), appended to the result. That is how a split key mask travels without a collective of its own."""
+    `riders` travel in the same all-to-all, unsplit: every rank gets every rank's rider (returned per rider, one piece
+    per source rank). That is how a split key mask, or each rank's true lengths, travel without a collective of their
+    own."""
     r, heads = lay.rank, lay.heads
     h_off = _offsets(list(heads))
     dtype, device = xs[0].dtype, xs[0].device
     B = xs[0].shape[0]
-    kv = seq_sizes[-1]
-    ex_row = 0 if extra is None else extra.shape[0] * extra.shape[2]  # elements per token of the rider
+    ride = sum(n[r] for _, n in riders)
     # Send buffer, ordered by destination rank, then by tensor: one copy of each block straight into place.
     in_splits = [
-        sum(B * sizes[r] * heads[j] * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) + kv[r] * ex_row
-        for j in range(lay.world)
+        sum(B * sizes[r] * heads[j] * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) + ride for j in range(lay.world)
     ]
     send = torch.empty(sum(in_splits), dtype=dtype, device=device)
     pos = 0
@@ -91,17 +93,18 @@ def _seq_to_heads(
             blk = x[:, :, h_off[j] : h_off[j] + heads[j]]
             send[pos : pos + blk.numel()].view(blk.shape).copy_(blk)
             pos += blk.numel()
-        if extra is not None:
-            send[pos : pos + extra.numel()].view(extra.shape).copy_(extra)
-            pos += extra.numel()
+        for rider, _ in riders:
+            send[pos : pos + rider.numel()].copy_(rider)
+            pos += rider.numel()
     out_splits = [
-        sum(B * sizes[i] * heads[r] * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) + kv[i] * ex_row
+        sum(B * sizes[i] * heads[r] * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) + sum(n[i] for _, n in riders)
         for i in range(lay.world)
     ]
-    max_elems = _max_elems(xs, seq_sizes, lay, ex_row)
+    max_elems = _max_elems(xs, seq_sizes, lay, riders)
     recv = get_transport(group).all_to_all(send, in_splits, out_splits, group, site, max_elems)
     # Received: for each source rank i, for each tensor, a (B, s_i, h_r, D) block. Concatenate along the sequence.
-    pieces: list[list[torch.Tensor]] = [[] for _ in range(len(xs) + (extra is not None))]
+    pieces: list[list[torch.Tensor]] = [[] for _ in xs]
+    rode: list[list[torch.Tensor]] = [[] for _ in riders]
     pos = 0
     for i in range(lay.world):
         for t, (x, sizes) in enumerate(zip(xs, seq_sizes)):
@@ -109,11 +112,10 @@ def _seq_to_heads(
             n = shape[0] * shape[1] * shape[2] * shape[3]
             pieces[t].append(recv[pos : pos + n].view(shape))
             pos += n
-        if extra is not None:
-            shape = (extra.shape[0], kv[i], extra.shape[2])
-            pieces[-1].append(recv[pos : pos + kv[i] * ex_row].view(shape))
-            pos += kv[i] * ex_row
-    return [torch.cat(p, dim=1) for p in pieces]
+        for t, (_, n) in enumerate(riders):
+            rode[t].append(recv[pos : pos + n[i]])
+            pos += n[i]
+    return [torch.cat(p, dim=1) for p in pieces], rode
 
 
 def _heads_to_seq(xs: list[torch.Tensor], seq_sizes: list[tuple[int, ...]], lay: _Layout, group, site: str):
@@ -177,16 +179,33 @@ def _query_split(lens: list[list[int]], lay: _Layout) -> bool:
     return lay.world > 1 and mq == list(lay.q_sizes) and any(n != 1 for n in mq)
 
 
-def _mask_rider(mask: torch.Tensor | None, lens: list[list[int]], lay: _Layout, dtype: torch.dtype):
-    """A split key mask that can ride in the Q/K/V all-to-all: (Bm, s_kv, Mq) in the payload dtype, or None.
+def _mask_rider(mask: torch.Tensor | None, lens: list[list[int]], lay: _Layout, dtype: torch.dtype) -> list[Rider]:
+    """A split key mask that can ride in the Q/K/V all-to-all, as (Bm, s_kv, Mq) in the payload dtype; or nothing.
 
     Bool masks (0/1 are exact in any float dtype) and masks already in the payload dtype qualify; a mask split on
     queries too, or an additive mask of another dtype (casting would round it), takes a gather of its own."""
     if mask is None or not _key_split(lens, lay) or _query_split(lens, lay):
-        return None
+        return []
     if mask.dtype != torch.bool and mask.dtype != dtype:
-        return None
-    return mask[:, 0].transpose(1, 2).to(dtype).contiguous()
+        return []
+    keys = mask[:, 0].transpose(1, 2).to(dtype).contiguous()
+    per_key = keys.shape[0] * keys.shape[2]
+    return [(keys.view(-1), tuple(n * per_key for n in lay.kv_sizes))]
+
+
+def _mask_keys(mask: torch.Tensor, pieces: list[torch.Tensor], lay: _Layout) -> torch.Tensor:
+    """The rider's pieces back to the key dim: (Bm, S_kv, Mq)."""
+    Bm, Mq = mask.shape[0], mask.shape[2]
+    return torch.cat([p.view(Bm, n, Mq) for p, n in zip(pieces, lay.kv_sizes)], dim=1)
+
+
+def _encode(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Ints as payload elements, bit for bit (an all-to-all only copies bytes): 8 bytes each."""
+    return torch.tensor(values, dtype=torch.int64, device=device).view(torch.uint8).view(dtype)
+
+
+def _decode(piece: torch.Tensor) -> list[int]:
+    return piece.clone().view(torch.uint8).view(torch.int64).tolist()
 
 
 def _assemble_mask(mask, lens: list[list[int]], lay: _Layout, group, keys: torch.Tensor | None) -> torch.Tensor | None:
@@ -214,6 +233,54 @@ def _assemble_mask(mask, lens: list[list[int]], lay: _Layout, group, keys: torch
             f"{list(lay.q_sizes)} nor the global query length {s_q}"
         )
     return mask
+
+
+def _pad_seq(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x if x.shape[1] == n else torch.cat([x, x.new_zeros((x.shape[0], n - x.shape[1], *x.shape[2:]))], dim=1)
+
+
+def _trim_seq(x: torch.Tensor, chunks: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+    """Keep the first `sizes[i]` of each source's `chunks[i]` rows (drop the padding)."""
+    if chunks == sizes:
+        return x
+    return torch.cat([x.narrow(1, off, n) for off, n in zip(_offsets(list(chunks)), sizes)], dim=1)
+
+
+def _qkv_to_heads(query, key, value, attn_mask, group, world: int, rank: int):
+    """The forward's one Q/K/V all-to-all. Returns head-sharded q, k, v, the mask in the global layout, the layout.
+
+    Every rank's local lengths come from the layout registry (layout.py), identical on every rank and without a
+    collective; never from a cache keyed by local length (that is how ranks hang). When the registry can only bound
+    them (two recorded splits too close to tell apart on some rank), the chunks are padded to the bounds, each rank's
+    true lengths travel in the same all-to-all, and the padding is dropped on arrival. Without a registry (op-level
+    use, or a plan without `layout_registry: true`) the lengths are exchanged first."""
+    mask_q = -1 if attn_mask is None else attn_mask.shape[-2]
+    mask_k = -1 if attn_mask is None else attn_mask.shape[-1]
+    values = [query.shape[1], key.shape[1], mask_q, mask_k]
+    rows, exact = REGISTRY.resolve(
+        values, query.device, group, "sizes", ties=(None, None, 0, 1), bounds_ok=attn_mask is None
+    )
+    heads = tuple(split_sizes(query.shape[2], world))
+    if exact:
+        lay = _Layout(rank, world, tuple(r[0] for r in rows), tuple(r[1] for r in rows), heads)
+        riders = _mask_rider(attn_mask, rows, lay, query.dtype)
+        (q, k, v), rode = _seq_to_heads(
+            [query, key, value], [lay.q_sizes, lay.kv_sizes, lay.kv_sizes], lay, group, "qkv", riders
+        )
+        keys = _mask_keys(attn_mask, rode[0], lay) if riders else None
+        return q, k, v, _assemble_mask(attn_mask, rows, lay, group, keys), lay
+    q_cap, kv_cap = tuple(r[0] for r in rows), tuple(r[1] for r in rows)
+    padded = _Layout(rank, world, q_cap, kv_cap, heads)
+    header = _encode(values, query.dtype, query.device)
+    xs = [_pad_seq(query, q_cap[rank]), _pad_seq(key, kv_cap[rank]), _pad_seq(value, kv_cap[rank])]
+    (q, k, v), rode = _seq_to_heads(
+        xs, [q_cap, kv_cap, kv_cap], padded, group, "qkv", [(header, (header.numel(),) * world)]
+    )
+    lens = [_decode(piece) for piece in rode[0]]
+    lay = _Layout(rank, world, tuple(r[0] for r in lens), tuple(r[1] for r in lens), heads)
+    q = _trim_seq(q, q_cap, lay.q_sizes)
+    k, v = (_trim_seq(t, kv_cap, lay.kv_sizes) for t in (k, v))
+    return q, k, v, None, lay
 
 
 class UlyssesAnythingAttention(torch.autograd.Function):
@@ -249,20 +316,7 @@ class UlyssesAnythingAttention(torch.autograd.Function):
     ):
         group = _parallel_config.context_parallel_config._ulysses_mesh.get_group()
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        B, s_q, H, _ = query.shape
-        mask_q = -1 if attn_mask is None else attn_mask.shape[-2]
-        mask_k = -1 if attn_mask is None else attn_mask.shape[-1]
-        # Every rank's local lengths, identical on all ranks: from the layout registry (no collective), or one tiny
-        # exchange. Never cached by local size: that is how ranks hang (see layout.py).
-        lens = REGISTRY.lengths(
-            [s_q, key.shape[1], mask_q, mask_k], query.device, group, "sizes", ties=(None, None, 0, 1)
-        )
-        lay = _Layout(rank, world, tuple(r[0] for r in lens), tuple(r[1] for r in lens), tuple(split_sizes(H, world)))
-        rider = _mask_rider(attn_mask, lens, lay, query.dtype)
-        q, k, v, *keys = _seq_to_heads(
-            [query, key, value], [lay.q_sizes, lay.kv_sizes, lay.kv_sizes], lay, group, "qkv", extra=rider
-        )
-        attn_mask = _assemble_mask(attn_mask, lens, lay, group, keys[0] if keys else None)
+        q, k, v, attn_mask, lay = _qkv_to_heads(query, key, value, attn_mask, group, world, rank)
 
         ctx.forward_op, ctx.backward_op, ctx._parallel_config = forward_op, backward_op, _parallel_config
         ctx.layout, ctx.group, ctx.empty = lay, group, lay.heads[rank] == 0
@@ -289,7 +343,7 @@ class UlyssesAnythingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, *_grad_lse):
         lay, group = ctx.layout, ctx.group
-        (d_out,) = _seq_to_heads([grad_out], [lay.q_sizes], lay, group, "d_out")
+        (d_out,), _ = _seq_to_heads([grad_out], [lay.q_sizes], lay, group, "d_out")
         if ctx.empty:
             dq = d_out.new_empty(d_out.shape[:-1] + (ctx.kv_shapes[0][-1],))
             dk, dv = d_out.new_empty(ctx.kv_shapes[0]), d_out.new_empty(ctx.kv_shapes[1])
