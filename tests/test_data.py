@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from train.config import recipe_from_dict
+from train.data.batches import check_text_lengths
 from train.data.dataset import BucketBatchSampler, CachedLatentDataset, collate, read_manifest
 from train.data.families import get_encoder
 from train.data.media import BadMediaError, Bucket, Geometry, load_audio, load_clip, load_item, probe
@@ -513,6 +515,21 @@ def test_prepare_minimax_h3_video_audio_and_text(tmp_path_factory):
     assert m["counts"]["ok"] == 2 and m["counts"]["bad_by_reason"] == {"no_audio": 1, "no_caption": 1}
     ds = CachedLatentDataset(cache)
     assert set(get_family("minimax_h3").batch_keys) <= set(ds[0]) and m["text"]["max_tokens"] is None
+    # One text layout per batch: batches of 2 need equal caption lengths, and caption dropout is refused at startup
+    # because the empty caption has no tokens at all.
+    spec, lengths = get_family("minimax_h3"), set(ds.text_lengths())
+    unpadded = CachedLatentDataset(cache, pad_text=False)
+    assert ds.text_lengths() == [unpadded[i]["prompt_embeds"].shape[0] for i in range(len(ds))]
+    recipe = lambda bs, p: SimpleNamespace(train=SimpleNamespace(batch_size=bs, caption_dropout=p))  # noqa: E731
+    assert ds.empty_prompt_length() == 0 and 0 not in lengths
+    check_text_lengths(ds, spec, recipe(1, 0.5))
+    with pytest.raises(ValueError, match=r"different token lengths .*set train.batch_size: 1.*caption_dropout: 0"):
+        check_text_lengths(ds, spec, recipe(2, 0.1))
+    if len(lengths) > 1:
+        with pytest.raises(ValueError, match="different token lengths"):
+            check_text_lengths(ds, spec, recipe(2, 0.0))
+    else:
+        check_text_lengths(ds, spec, recipe(2, 0.0))
 
     pipe = MiniMaxH3ModularPipeline.from_pretrained(str(path), workflow="t2va")  # as the released repo loads
     pipe.load_components(names=["text_encoder", "vae", "audio_vae", "tokenizer"])

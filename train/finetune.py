@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from train.checkpoint import AppState, latest_checkpoint, load_checkpoint, save_checkpoint
 from train.config import Recipe, add_recipe_args, recipe_from_args, recipe_to_dict, save_recipe
-from train.data.batches import build_dataset, make_batches
+from train.data.batches import build_dataset, check_text_lengths, make_batches
 from train.export import export_full, export_lora
 from train.metrics import MetricsLogger, peak_memory_bytes
 from train.modeling import apply_finetune, load_transformer
@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # --- data: every rank of a CP group reads the same batches; DP groups read different ones ----------------------
     dataset = build_dataset(recipe, spec)
+    check_text_lengths(dataset, spec, recipe)
     batches = make_batches(dataset, recipe, dp_rank=mesh.dp_rank, dp_size=dims.dp, device=device)
 
     # --- resume ---------------------------------------------------------------------------------------------------

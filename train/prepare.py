@@ -536,7 +536,7 @@ def _manifest(
         "tensors": {b: _tensor_info(cache / f) for b, f in sorted(first_of.items())},
         "text": {"max_tokens": text_tokens, "longest": max([empty_len, *(r["text_len"] for r in ok)])},
         "empty_prompt": "empty_prompt.safetensors",
-        "samples": [{k: r[k] for k in ("index", "file", "bucket", "caption", "source")} for r in ok],
+        "samples": [{k: r[k] for k in ("index", "file", "bucket", "caption", "source", "text_len")} for r in ok],
         "bad": bad,
         "timing": {
             "seconds": round(seconds, 3),

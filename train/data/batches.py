@@ -29,6 +29,24 @@ def build_dataset(recipe: Recipe, spec: FamilySpec):
     return CachedLatentDataset(data.cache_dir)
 
 
+def check_text_lengths(dataset, spec: FamilySpec, recipe: Recipe) -> None:
+    """A family that packs one unpadded text layout per batch (`spec.shared_text_length`) cannot batch captions of
+    different token lengths, nor swap in the empty caption (caption dropout) unless it has their length. Refuse such a
+    recipe at startup, from the cache's manifest (the same on every rank), instead of failing at some later step."""
+    if not spec.shared_text_length or recipe.train.batch_size == 1 or not isinstance(dataset, CachedLatentDataset):
+        return
+    lengths = set(dataset.text_lengths())
+    if recipe.train.caption_dropout > 0:
+        lengths.add(dataset.empty_prompt_length())
+    if len(lengths) > 1:
+        raise ValueError(
+            f"{spec.name} packs one text layout per batch (no text mask), but this cache's captions (and the empty "
+            f"caption, with caption dropout) have {len(lengths)} different token lengths {sorted(lengths)[:8]}: set "
+            "train.batch_size: 1 and raise train.grad_accum for a larger effective batch"
+            + (", or train.caption_dropout: 0" if recipe.train.caption_dropout > 0 else "")
+        )
+
+
 class Batches:
     """Infinite iterator of collated batches on `device`; its position is part of every checkpoint."""
 

@@ -128,6 +128,20 @@ class CachedLatentDataset:
     def caption(self, i: int) -> str:
         return self.samples[i]["caption"]
 
+    def _text_length(self, file: str) -> int:
+        from safetensors import safe_open
+
+        with safe_open(self.cache_dir / file, "pt") as f:
+            return f.get_slice("prompt_embeds").get_shape()[0]
+
+    def text_lengths(self) -> list[int]:
+        """Tokens of each item's caption as cached (before padding); from the manifest, else from the files."""
+        return [s["text_len"] if "text_len" in s else self._text_length(s["file"]) for s in self.samples]
+
+    def empty_prompt_length(self) -> int:
+        """Tokens of the empty caption as cached (before padding)."""
+        return self._text_length("empty_prompt.safetensors")
+
     def empty_prompt(self) -> dict[str, torch.Tensor]:
         """Text tensors of the empty caption (prompt_embeds, prompt_mask, pooled_embeds if any), for caption dropout."""
         return self._load(self.cache_dir / "empty_prompt.safetensors")

@@ -200,6 +200,7 @@ SPEC = FamilySpec(
     shift_seq_len=shift_seq_len,
     batch_keys=("latents", "audio_latents", "prompt_embeds"),
     shared_timestep=True,
+    shared_text_length=True,
     velocity_sign=-1.0,
     extra_components=frozen(audio_vae="AutoencoderKLMiniMaxH3Audio", processor="Qwen3VLProcessor"),
     constants=frozen(fps=24, audio_channels=MINIMAX_H3_AUDIO_CHANNELS, keyframe_noise_aug=KEYFRAME_NOISE_AUG),

@@ -120,6 +120,9 @@ class FamilySpec:
     extra_streams: Mapping[str, ShiftSpec] = field(default_factory=frozen)
     # True: the transformer takes one timestep layout for the whole batch, so all samples share one sigma.
     shared_timestep: bool = False
+    # True: the transformer packs one unpadded text layout for the whole batch (no text mask), so every sample of a
+    # batch needs the same text length (MiniMax-H3); checked against the cache at startup.
+    shared_text_length: bool = False
     # +1: the transformer predicts ``noise - x0`` (diffusers flow matching); -1: it predicts ``x0 - noise``.
     velocity_sign: float = 1.0
     # Other components the data pipeline needs (subfolder -> class), e.g. an image encoder or an audio VAE.
