@@ -58,6 +58,14 @@ def _guard_cases(rank: int, world: int) -> dict:
         res[f"{name}_mask"] = _expect_error(lambda m=model, x=masked: m(**x, return_dict=False))
         res[f"{name}_in_step"] = _in_step()
 
+    # The same text mask passed by position is refused too.
+    model, masked = build_model("ltx"), build_inputs("ltx", with_text_mask=True)
+    enable_context_parallel(model, mesh=mesh)
+    first = ("hidden_states", "encoder_hidden_states", "timestep", "encoder_attention_mask")
+    args = tuple(masked.pop(n) for n in first)
+    res["ltx_positional_mask"] = _expect_error(lambda: model(*args, **masked, return_dict=False))
+    res["positional_in_step"] = _in_step()
+
     # Op level: a per-head mask and attention dropout in training are refused on every rank, no hang.
     cfg = enable_context_parallel(build_model("wan"), mesh=mesh)
     q = torch.randn(1, 5, 4, 8, requires_grad=True)
@@ -86,6 +94,10 @@ def test_guards_refuse_before_any_collective() -> None:
         assert res["per_head"] and "per-head attention mask" in res["per_head"]
         assert res["dropout"] and "dropout" in res["dropout"]
         assert res["bad_degree"] and "disagrees" in res["bad_degree"]
+        # Refused by the startup guard (which names the argument), not only later inside the attention op.
+        positional = res["ltx_positional_mask"]
+        assert positional and "turn ['encoder_attention_mask'] into per-head" in positional, positional
+        assert res["positional_in_step"]
         assert res["shared_local"] and "are shared with other attention modules" in res["shared_local"]
         assert res["helios_in_step"] and res["ltx_in_step"] and res["ltx2_in_step"] and res["op_in_step"]
         assert res["shared_in_step"]

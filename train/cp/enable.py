@@ -9,6 +9,7 @@ registered with diffusers' own `apply_context_parallel`.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from pathlib import Path
 from typing import Any
@@ -91,11 +92,14 @@ def _install_guards(model: torch.nn.Module, spec: CPPlanSpec, problems: list[str
     _ENABLED_MODELS += 1
     scope = f"{type(model).__name__}#{_ENABLED_MODELS}"
 
+    names = list(inspect.signature(type(model).forward).parameters)[1:]  # forward()'s arguments, without self
+
     def guard(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         REGISTRY.reset(spec.layout_registry, scope)  # a new forward: the split hooks record its partitions afresh
         if not torch.is_grad_enabled() or not any(p.requires_grad for p in module.parameters()):
             return  # inference and grad-free forwards stay allowed
-        fed = [name for name in mask_args if kwargs.get(name) is not None]
+        bound = {**dict(zip(names, args)), **kwargs}  # a mask passed by position counts too
+        fed = [name for name in mask_args if bound.get(name) is not None]
         if fed:
             raise ValueError(
                 f"{type(module).__name__}'s attention processors turn {fed} into per-head (B, heads, 1, S) masks, "
