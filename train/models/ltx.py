@@ -16,7 +16,6 @@ longest unpadded prompt instead.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -106,19 +105,7 @@ SPEC = FamilySpec(
     latent_kind="video",
     # Self- and cross-attention projections (`attn1` / `attn2`), as the diffusers/finetrainers LTX LoRA recipes.
     lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
-    shift=ShiftSpec(
-        kind="dynamic",
-        scheduler_class="FlowMatchEulerDiscreteScheduler",
-        scheduler_config=SCHEDULER_CONFIG,
-        shift=SCHEDULER_CONFIG["shift"],
-        mu_fn=functools.partial(
-            calculate_shift,
-            base_seq_len=SCHEDULER_CONFIG["base_image_seq_len"],
-            max_seq_len=SCHEDULER_CONFIG["max_image_seq_len"],
-            base_shift=SCHEDULER_CONFIG["base_shift"],
-            max_shift=SCHEDULER_CONFIG["max_shift"],
-        ),
-    ),
+    shift=ShiftSpec.linear_mu(SCHEDULER_CONFIG, calculate_shift),
     build_inputs=build_inputs,
     unpack_output=unpack_output,
     timestep_from_sigma=sigma_times_1000,

@@ -12,7 +12,6 @@ on the (B, 1, C, H, W) layout the pipeline uses), ``img_shapes = [[(1, H/2, W/2)
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -84,19 +83,7 @@ SPEC = FamilySpec(
     latent_kind="image",
     # train_dreambooth_lora_qwen_image.py default `--lora_layers`.
     lora_targets=("to_k", "to_q", "to_v", "to_out.0"),
-    shift=ShiftSpec(
-        kind="dynamic",
-        scheduler_class="FlowMatchEulerDiscreteScheduler",
-        scheduler_config=SCHEDULER_CONFIG,
-        shift=SCHEDULER_CONFIG["shift"],
-        mu_fn=functools.partial(
-            calculate_shift,
-            base_seq_len=SCHEDULER_CONFIG["base_image_seq_len"],
-            max_seq_len=SCHEDULER_CONFIG["max_image_seq_len"],
-            base_shift=SCHEDULER_CONFIG["base_shift"],
-            max_shift=SCHEDULER_CONFIG["max_shift"],
-        ),
-    ),
+    shift=ShiftSpec.linear_mu(SCHEDULER_CONFIG, calculate_shift),
     build_inputs=build_inputs,
     unpack_output=unpack_output,
     timestep_from_sigma=sigma_identity,

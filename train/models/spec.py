@@ -81,6 +81,25 @@ class ShiftSpec:
         if self.kind == "static" and self.shift <= 0:
             raise ValueError(f"shift must be positive, got {self.shift}")
 
+    @classmethod
+    def linear_mu(cls, scheduler_config: Mapping[str, Any], calculate_shift: Callable[..., float]) -> ShiftSpec:
+        """Dynamic shift whose mu is the pipeline's `calculate_shift` (linear in the sequence length) bound to the
+        config's base/max sequence lengths and shifts: Flux, Qwen-Image, LTX-Video."""
+        c = scheduler_config
+        return cls(
+            kind="dynamic",
+            scheduler_class="FlowMatchEulerDiscreteScheduler",
+            scheduler_config=c,
+            shift=c["shift"],
+            mu_fn=functools.partial(
+                calculate_shift,
+                base_seq_len=c["base_image_seq_len"],
+                max_seq_len=c["max_image_seq_len"],
+                base_shift=c["base_shift"],
+                max_shift=c["max_shift"],
+            ),
+        )
+
     def mu(self, image_seq_len: int) -> float:
         if self.mu_fn is None:
             raise ValueError("static shift has no mu")
