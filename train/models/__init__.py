@@ -12,6 +12,8 @@ Usage::
 from __future__ import annotations
 
 import importlib
+import pkgutil
+from pathlib import Path
 
 from .spec import PRIMARY_STREAM, FamilySpec, ShiftSpec
 
@@ -32,6 +34,13 @@ def _load() -> dict[str, FamilySpec]:
 FAMILIES: dict[str, FamilySpec] = _load()
 
 
+def family_names() -> tuple[str, ...]:
+    """The discovered family keys (sorted), without importing any family module: cheap enough for recipe validation."""
+    shared = {"spec"}  # shared plumbing, not a family
+    found = (m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]))
+    return tuple(sorted(n for n in found if not n.startswith("_") and n not in shared))
+
+
 def get_family(name: str) -> FamilySpec:
     """The spec of family ``name`` (a key of :data:`FAMILIES`)."""
     try:
@@ -48,4 +57,4 @@ def family_for_transformer(class_name: str) -> FamilySpec:
     return matches[0]
 
 
-__all__ = ["FAMILIES", "PRIMARY_STREAM", "FamilySpec", "ShiftSpec", "family_for_transformer", "get_family"]
+__all__ = ["FAMILIES", "PRIMARY_STREAM", "FamilySpec", "ShiftSpec", "family_for_transformer", "family_names", "get_family"]
