@@ -42,12 +42,18 @@ def table(headers: list[str], rows: list[list]) -> str:
 
 
 def parallel_config(world: int, anything: bool):
-    """A diffusers ParallelConfig for op-level calls, set up the way `train/cp/enable.py` does (works on CPU)."""
+    """A config for op-level calls (works on CPU). Ulysses-Anything: a `ContextParallelState` as
+    `enable_context_parallel` makes (its `.layout` and `.transport.stats` are the benchmark's to drive and read);
+    even Ulysses: diffusers' plain `ParallelConfig`."""
     from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
+    from train.cp import ContextParallelState
+
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses"))
-    cp = ContextParallelConfig(ring_degree=1, ulysses_degree=world, ulysses_anything=anything, mesh=mesh)
+    if anything:
+        return ContextParallelState.on_mesh(mesh, scope="bench")
+    cp = ContextParallelConfig(ring_degree=1, ulysses_degree=world, ulysses_anything=False, mesh=mesh)
     cfg = ParallelConfig(context_parallel_config=cp)
     cfg.setup(dist.get_rank(), world, torch.device("cpu"), mesh=mesh)
     return cfg

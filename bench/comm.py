@@ -2,7 +2,7 @@
 
 Compares our trainable Ulysses-Anything attention (`train.cp.ulysses`) with diffusers' own even Ulysses
 (`TemplatedUlyssesAttention`, forward + backward, even shapes only) and diffusers' stock Ulysses-Anything (forward
-only: its backward raises). Ours is counted by the transport's `CommStats`; diffusers' by wrapping
+only: its backward raises). Ours is counted by the `CommStats` of the CP state's transport; diffusers' by wrapping
 `funcol.all_to_all_single` (reached directly or through `attention_dispatch._all_to_all_single`) and
 `torch.distributed.all_gather` (its size exchange and mask gather) while it runs.
 
@@ -116,13 +116,12 @@ def _rank_fn(rank: int, world: int) -> list[dict]:
     from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 
     from train.cp import install_ulysses_anything_backward
-    from train.cp.comm import get_transport
-    from train.cp.layout import REGISTRY
+    from train.cp.layout import LayoutRegistry
     from train.cp.ulysses import uninstall_ulysses_anything_backward
 
     install_ulysses_anything_backward()
     cfg_any, cfg_even = parallel_config(world, anything=True), parallel_config(world, anything=False)
-    stats = get_transport().stats
+    stats = cfg_any.stats
     attn = lambda q, k, v, m, cfg: dispatch_attention_fn(  # noqa: E731
         q, k, v, attn_mask=m, backend=AttentionBackendName.NATIVE, parallel_config=cfg
     )
@@ -144,9 +143,10 @@ def _rank_fn(rank: int, world: int) -> list[dict]:
         for impl, registry, recorded in variants:
             if impl != variants[0][0] and label != "H7 S61 (uneven H, S)":
                 continue
-            REGISTRY.reset(enabled=registry, scope=f"bench-{label}-{len(recorded)}")
+            cfg_any.layout = LayoutRegistry(f"bench-{label}-{len(recorded)}")  # a fresh model, as far as it knows
+            cfg_any.layout.reset(enabled=registry)  # a forward starts
             for length in recorded:  # what the plan's split hooks record
-                REGISTRY.record(length, world)
+                cfg_any.layout.record(length, world)
             q, k, v, dout, mask = _inputs(S, H, mask_kind, rank, world, seed)
             q, k, v = (t.requires_grad_() for t in (q, k, v))
             stats.reset()
@@ -156,7 +156,6 @@ def _rank_fn(rank: int, world: int) -> list[dict]:
             out.backward(dout)
             bwd = snap()
             records.append(dict(impl=impl, case=label, fwd=fwd, bwd=bwd, min=minimum))
-        REGISTRY.reset(enabled=False)
 
         if mask_kind is not None:
             continue  # stock paths are compared without masks (stock anything assembles uneven split masks wrongly)
@@ -194,14 +193,12 @@ def _model_records(rank: int, world: int) -> list[dict]:
 
     from tests.tiny_models import build_inputs, build_model, make_loss, output_tensors
     from train.cp import enable_context_parallel
-    from train.cp.comm import get_transport
 
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses"))
-    stats = get_transport().stats
     records = []
     for name in MODELS:
         model = build_model(name)
-        enable_context_parallel(model, mesh=mesh)
+        stats = enable_context_parallel(model, mesh=mesh).stats  # this model's collectives only
         for step in (1, 2):  # the 1st step of a shape issues no more collectives than later ones
             stats.reset()
             out = output_tensors(name, model(**build_inputs(name, seed=1), return_dict=False))
@@ -214,13 +211,13 @@ def _model_records(rank: int, world: int) -> list[dict]:
 
 
 def _model_rows(world: int, merged: list[dict]) -> list[list]:
-    from tests.tiny_models import CONFIGS, token_counts
+    from tests.tiny_models import tiny_config, token_counts
 
     rows = []
     for m in merged:
         if m["impl"] != "model":
             continue
-        cfg = CONFIGS[m["case"]]
+        cfg = tiny_config(m["case"])
         layers = cfg["num_layers"] + cfg.get("num_single_layers", 0)
         tokens = ", ".join(f"{k} {v}" for k, v in token_counts(m["case"]).items())
         row = [world, m["case"], f"{layers} blocks, {cfg['num_attention_heads']} heads; {tokens}", m["step"]]

@@ -42,7 +42,6 @@ import statistics
 import sys
 import time
 import traceback
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -151,19 +150,6 @@ class _Loopback:
         return x.unsqueeze(0)
 
 
-@contextmanager
-def loopback_transport():
-    import train.cp.ulysses as uly
-
-    orig = uly.get_transport
-    lb = _Loopback()
-    uly.get_transport = lambda group=None: lb
-    try:
-        yield
-    finally:
-        uly.get_transport = orig
-
-
 def backend_ops(device: torch.device):
     from diffusers.models import attention_dispatch as ad
 
@@ -199,10 +185,6 @@ class _StubCP:
     _world_size = 1
 
 
-class _StubParallelConfig:
-    context_parallel_config = _StubCP()
-
-
 def attention_part(device: torch.device, shapes: dict) -> None:
     fwd_op, bwd_op, op_name = backend_ops(device)
     S, H, D = shapes["S"], shapes["H"], shapes["D"]
@@ -228,7 +210,7 @@ def attention_part(device: torch.device, shapes: dict) -> None:
 
 def _attention_case(N, S, H, D, device, fwd_op, bwd_op, group_error, cells: list) -> None:
     """Fills `cells` as it goes, so a case that fails half-way still reports what it measured."""
-    from train.cp.layout import REGISTRY
+    from train.cp import ContextParallelState
     from train.cp.ulysses import UlyssesAnythingAttention, _heads_to_seq, _Layout, _seq_to_heads, split_sizes
 
     h, s_local = H // N, S // N
@@ -264,14 +246,15 @@ def _attention_case(N, S, H, D, device, fwd_op, bwd_op, group_error, cells: list
     ql, kl, vl, dol = (mk(1, s_local, H, D) for _ in range(4))
     seq = [lay.q_sizes, lay.kv_sizes, lay.kv_sizes]
 
-    def layout():
-        (qh, kh, vh), _ = _seq_to_heads([ql, kl, vl], seq, lay, None, "qkv")  # (1, S, h, D) each
-        _heads_to_seq([qh], [lay.q_sizes], lay, None, "out")  # O back to (1, s_local, H, D)
-        _seq_to_heads([dol], [lay.q_sizes], lay, None, "d_out")
-        _heads_to_seq([qh, kh, vh], seq, lay, None, "d_qkv")
+    lb = _Loopback()
 
-    with loopback_transport():
-        t_layout = time_ms(layout, device)
+    def layout():
+        (qh, kh, vh), _ = _seq_to_heads([ql, kl, vl], seq, lay, None, lb, "qkv")  # (1, S, h, D) each
+        _heads_to_seq([qh], [lay.q_sizes], lay, None, lb, "out")  # O back to (1, s_local, H, D)
+        _seq_to_heads([dol], [lay.q_sizes], lay, None, lb, "d_out")
+        _heads_to_seq([qh, kh, vh], seq, lay, None, lb, "d_qkv")
+
+    t_layout = time_ms(layout, device)
     # Each of the 8 tensors is copied into the send buffer and again by the concatenation: read + write twice.
     moved = 8 * ql.numel() * ql.element_size() * 4
     cells += [f"{t_layout:.2f}", f"{moved / t_layout / 1e6:.0f}", f"{t_layout + t_op:.2f}",
@@ -281,12 +264,13 @@ def _attention_case(N, S, H, D, device, fwd_op, bwd_op, group_error, cells: list
         cells += [f"no group: {group_error}"[:80], ""]
         return
     qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+    state = ContextParallelState(context_parallel_config=_StubCP(), scope="bench")  # a 1-rank CP state
 
     def full():
-        REGISTRY.reset(enabled=True, scope="bench")  # as under a plan: lengths from the split, no size exchange
-        REGISTRY.record(S, 1)
+        state.layout.reset(enabled=True)  # as under a plan: lengths from the split, no size exchange
+        state.layout.record(S, 1)
         out = UlyssesAnythingAttention.apply(qf, kf, vf, None, 0.0, False, None, False, False, fwd_op, bwd_op,
-                                             _StubParallelConfig())  # fmt: skip
+                                             state)  # fmt: skip
         torch.autograd.grad(out, (qf, kf, vf), do)
 
     t_full = time_ms(full, device)

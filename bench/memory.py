@@ -20,6 +20,7 @@ import torch
 from bench._common import fmt_bytes, header, table
 
 WORLDS = (1, 2, 4)
+CASES = (("tiny", "wan"), ("tiny", "flux"), ("mid", "wan"), ("mid", "flux"))  # (size, model)
 
 # Mid-size configs: 8 heads x 32, 4 blocks, 3072 media tokens (divisible by 2 and 4), fp32.
 MID = {
@@ -112,7 +113,8 @@ class SavedBytes:
         self.keep.clear()
 
 
-def _rank_fn(rank: int, world: int) -> dict:
+def _rank_fn(rank: int, world: int, cases: tuple[tuple[str, str], ...] = CASES) -> dict:
+    """Saved bytes per (size, model) on this rank; world 1 is the serial run (no process group needed)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from tests.tiny_models import build_inputs, build_model, make_loss, output_tensors
@@ -120,31 +122,30 @@ def _rank_fn(rank: int, world: int) -> dict:
 
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses")) if world > 1 else None
     results = {}
-    for size in ("tiny", "mid"):
-        for name in ("wan", "flux"):
-            model = build_model(name) if size == "tiny" else _mid_model(name)
-            inputs = build_inputs(name, seed=1) if size == "tiny" else _mid_inputs(name)
-            if world > 1:
-                enable_context_parallel(model, mesh=mesh)
-            counter = SavedBytes(model)
-            t0 = time.perf_counter()
-            with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
-                out = output_tensors(name, model(**inputs, return_dict=False))
-                loss = make_loss(name, out)
-            t_fwd = time.perf_counter() - t0
-            totals = counter.totals()
-            counter.close()
-            loss.backward()
-            results[(size, name)] = dict(totals, fwd_s=t_fwd, total_s=time.perf_counter() - t0)
-            del model, out, loss
+    for size, name in cases:
+        model = build_model(name) if size == "tiny" else _mid_model(name)
+        inputs = build_inputs(name, seed=1) if size == "tiny" else _mid_inputs(name)
+        if world > 1:
+            enable_context_parallel(model, mesh=mesh)
+        counter = SavedBytes(model)
+        t0 = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+            out = output_tensors(name, model(**inputs, return_dict=False))
+            loss = make_loss(name, out)
+        t_fwd = time.perf_counter() - t0
+        totals = counter.totals()
+        counter.close()
+        loss.backward()
+        results[(size, name)] = dict(totals, fwd_s=t_fwd, total_s=time.perf_counter() - t0)
+        del model, out, loss
     return results
 
 
 def _shape(size: str, name: str) -> str:
     if size == "tiny":
-        from tests.tiny_models import CONFIGS, token_counts
+        from tests.tiny_models import tiny_config, token_counts
 
-        cfg = CONFIGS[name]
+        cfg = tiny_config(name)
         layers = cfg["num_layers"] + cfg.get("num_single_layers", 0)
         toks = token_counts(name)
         media = toks.get("video", toks.get("image"))

@@ -69,7 +69,6 @@ def _op_cases(rank: int, world: int) -> dict:
     from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 
     from train.cp import install_ulysses_anything_backward
-    from train.cp.layout import REGISTRY
 
     install_ulysses_anything_backward()
     cfg_any, cfg_even = parallel_config(world, anything=True), parallel_config(world, anything=False)
@@ -80,8 +79,9 @@ def _op_cases(rank: int, world: int) -> dict:
 
         def step(cfg, q=q, k=k, v=v, dout=dout, S=S):
             # Ours as under a plan (layout registry: the split hook's partition is recorded, no size exchange).
-            REGISTRY.reset(enabled=True, scope="bench")
-            REGISTRY.record(S, world)
+            if cfg is cfg_any:
+                cfg.layout.reset(enabled=True)
+                cfg.layout.record(S, world)
             ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
             out = dispatch_attention_fn(ql, kl, vl, backend=AttentionBackendName.NATIVE, parallel_config=cfg)
             out.backward(dout)

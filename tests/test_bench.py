@@ -1,4 +1,5 @@
-"""The benchmarks stay runnable: the GPU script's every code path at tiny shapes on CPU, and the plot's reader."""
+"""The benchmarks stay runnable and meet their targets, measured here: the GPU script's every code path at tiny
+shapes on CPU, activation memory under CP 4, collectives and bytes per attention layer."""
 
 from __future__ import annotations
 
@@ -18,13 +19,21 @@ def test_gpu_script_smoke_runs_on_cpu() -> None:
     assert "| smoke | (2, 8, 8) |" in proc.stdout and "| smoke, ckpt |" in proc.stdout
 
 
-def test_memory_table_in_docs_parses() -> None:
-    from bench.plot import memory_rows
+def test_activation_memory_at_cp4_meets_the_target() -> None:
+    """Issue 5's target, measured here by bench/memory.py itself: at CP 4 a rank saves ≤ 30% of the serial run's
+    activation bytes, in the transformer blocks and in all. Mid-size Wan and Flux (4 blocks, 8x32 heads, 3072 media
+    tokens), one forward each: ~25 s. Byte counts, not timings, so the result is exact: 0.260 / 0.244 (blocks) and
+    0.264 / 0.250 (total) when written; ideal 1/4."""
+    from bench.memory import _rank_fn
+    from tests.distributed import run_distributed
 
-    rows = memory_rows()
-    mid4 = [r for r in rows if r["size"] == "mid" and r["CP"] == "4"]
-    assert {r["model"] for r in mid4} == {"wan", "flux"}
-    assert all(float(r["blocks ratio"]) <= 0.30 for r in mid4)  # issue 5's target: ≤ 30% of serial at CP 4
+    cases = (("mid", "wan"), ("mid", "flux"))
+    serial = _rank_fn(0, 1, cases)  # CP 1: in this process, no process group
+    cp4 = run_distributed(_rank_fn, 4, cases)
+    for key in cases:
+        blocks = max(r[key]["blocks"] for r in cp4) / serial[key]["blocks"]
+        total = max(r[key]["blocks"] + r[key]["rest"] for r in cp4) / (serial[key]["blocks"] + serial[key]["rest"])
+        assert blocks <= 0.30 and total <= 0.30, (key, blocks, total)
 
 
 def test_comm_benchmark_meets_the_targets() -> None:

@@ -1,31 +1,34 @@
-"""Typed recipes (train/config.py): strict YAML, `--set` overrides, mesh resolution, field docs, shipped recipes.
+"""Typed recipes (train/config.py on train/schema.py): strict YAML, `--set` overrides, mesh resolution, field docs,
+the JSON Schema, shipped recipes.
 
-CPU only, no torch. `test_shipped_recipe_loads` runs once per `recipes/**/*.yaml`, so a new recipe is checked
-automatically.
+CPU only. `test_shipped_recipe_loads` runs once per `recipes/**/*.yaml`, so a new recipe is checked automatically.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import typing
+import json
+import os
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from train.config import (
+    SCHEMA_PATH,
     Recipe,
     RecipeError,
     SyntheticData,
     add_recipe_args,
-    field_docs,
     load_recipe,
     recipe_from_args,
     recipe_from_dict,
     recipe_help,
+    recipe_json_schema,
     recipe_to_dict,
     save_recipe,
 )
+from train.models import family_names
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted({*REPO.glob("recipes/**/*.yaml"), *REPO.glob("recipes/**/*.yml")})
@@ -44,13 +47,20 @@ def _errors(excinfo: pytest.ExceptionInfo) -> list[str]:
     return excinfo.value.errors
 
 
-def _sections(cls: type = Recipe) -> list[type]:
-    """`cls` and every dataclass reachable from its fields (Optional sections included)."""
+def _section(tp: object) -> type[BaseModel] | None:
+    for arm in (tp, *getattr(tp, "__args__", ())):
+        if isinstance(arm, type) and issubclass(arm, BaseModel):
+            return arm
+    return None
+
+
+def _sections(cls: type[BaseModel] = Recipe) -> list[type[BaseModel]]:
+    """`cls` and every section model reachable from its fields (Optional sections included)."""
     out = [cls]
-    for tp in typing.get_type_hints(cls).values():
-        for arm in (tp, *typing.get_args(tp)):
-            if dataclasses.is_dataclass(arm) and arm not in out:
-                out += [s for s in _sections(arm) if s not in out]
+    for info in cls.model_fields.values():
+        sub = _section(info.annotation)
+        if sub is not None and sub not in out:
+            out += [s for s in _sections(sub) if s not in out]
     return out
 
 
@@ -149,10 +159,8 @@ def test_literal_error_and_missing_required():
     with pytest.raises(RecipeError) as excinfo:
         recipe_from_dict({"model": {"family": "fluxx", "init_config": {}}, "train": {"lr_schedule": "cosin"}})
     errors = _errors(excinfo)
-    assert any(
-        e.startswith("<dict>: model.family: expected one of 'flux', 'flux2',") and "did you mean 'flux'" in e
-        for e in errors
-    ), errors
+    family = next(e for e in errors if e.startswith("<dict>: model.family: expected one of "))
+    assert all(repr(name) in family for name in family_names()) and "did you mean 'flux'" in family, family
     assert any(
         e.startswith("<dict>: train.lr_schedule: expected one of 'constant', 'linear', 'cosine'") for e in errors
     )
@@ -268,19 +276,16 @@ def test_parallel_resolve():
 
 @pytest.mark.parametrize("cls", _sections(), ids=lambda c: c.__name__)
 def test_every_field_is_documented(cls):
-    docs = field_docs(cls)
-    missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name, "").strip()]
+    missing = [name for name, info in cls.model_fields.items() if not (info.description or "").strip()]
     assert not missing, f"{cls.__name__}: add a docstring under each of {missing}"
-    assert all("\n" not in d for d in docs.values()), "field docs are one line"
 
 
-def _dotted_keys(cls: type = Recipe, prefix: str = "") -> list[str]:
+def _dotted_keys(cls: type[BaseModel] = Recipe, prefix: str = "") -> list[str]:
     keys = []
-    for name, tp in typing.get_type_hints(cls).items():
+    for name, info in cls.model_fields.items():
         keys.append(prefix + name)
-        for arm in (tp, *typing.get_args(tp)):
-            if dataclasses.is_dataclass(arm):
-                keys += _dotted_keys(arm, f"{prefix}{name}.")
+        if _section(info.annotation) is not None:
+            keys += _dotted_keys(_section(info.annotation), f"{prefix}{name}.")
     return keys
 
 
@@ -301,3 +306,82 @@ def test_shipped_recipe_loads(path, tmp_path):
     recipe = load_recipe(path)
     save_recipe(recipe, tmp_path / "resolved.yaml")
     assert load_recipe(tmp_path / "resolved.yaml") == recipe
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, id=str(p.relative_to(REPO))) for p in RECIPES])
+def test_shipped_recipe_names_the_json_schema(path):
+    """Editors (yaml-language-server) check a recipe against recipes/schema.json when its first line points there."""
+    first = path.read_text().splitlines()[0]
+    relative = os.path.relpath(SCHEMA_PATH, path.parent)
+    assert first == f"# yaml-language-server: $schema={relative}", first
+
+
+# ------------------------------------------------------------------------------------------------------- JSON Schema
+
+
+def test_json_schema_is_current():
+    """recipes/schema.json is what the models generate now; regenerate with `python -m train.config --schema`."""
+    assert json.loads(SCHEMA_PATH.read_text()) == recipe_json_schema(), "run: python -m train.config --schema"
+
+
+def test_json_schema_lists_the_families_and_forbids_unknown_keys():
+    schema = recipe_json_schema()
+    model = schema["$defs"]["ModelConfig"]
+    assert model["properties"]["family"]["enum"] == list(family_names())
+    assert model["additionalProperties"] is False and "flow_shift" in model["properties"]
+    assert schema["properties"]["train"]["description"] == "Optimisation and loss."
+
+
+# ------------------------------------------------------------------------------------------------------ nested typos
+
+
+@pytest.mark.parametrize(
+    ("key", "closest"),
+    [
+        ("finetune.lora_rnak", "lora_rank"),
+        ("data.synthetic.num_sampels", "num_samples"),
+        ("model.flow_shfit", "flow_shift"),
+        ("train.lora_rnak", "finetune.lora_rank"),  # no close key in train: the closest key anywhere, dotted
+    ],
+)
+def test_typo_in_a_nested_key_names_its_path_and_the_closest_key(tmp_path, key, closest):
+    *sections, name = key.split(".")
+    d = {"model": {"family": "flux", "init_config": {}}}
+    node = d
+    for section in sections:
+        node = node.setdefault(section, {})
+    node[name] = 3
+    with pytest.raises(RecipeError) as excinfo:
+        recipe_from_dict(d, source="r.yaml")
+    (error,) = _errors(excinfo)
+    assert error.startswith(f"r.yaml: {key}: unknown key (did you mean {closest!r}?); "), error
+    assert f"valid keys of {'.'.join(sections)}: " in error
+    # the same typo as a --set override is refused naming the key, the closest one and the valid ones
+    path = _write(tmp_path, "model: {family: flux, init_config: {}}\n")
+    with pytest.raises(RecipeError, match=rf"^--set: {key}: unknown key \(did you mean {closest!r}\?\); valid keys"):
+        load_recipe(path, [f"{key}=3"])
+
+
+# ------------------------------------------------------------------------------------------------------ added keys
+
+
+def test_flow_shift_is_a_positive_number_or_null():
+    assert recipe_from_dict(MINIMAL).model.flow_shift is None
+    recipe = recipe_from_dict({"model": {**MINIMAL["model"], "flow_shift": 5}})
+    assert recipe.model.flow_shift == 5.0 and isinstance(recipe.model.flow_shift, float)
+    with pytest.raises(RecipeError, match=r"^<dict>: model.flow_shift: must be > 0, got 0$"):
+        recipe_from_dict({"model": {**MINIMAL["model"], "flow_shift": 0}})
+    with pytest.raises(RecipeError, match=r"model.flow_shift: expected float or null, got True \(bool\)"):
+        recipe_from_dict({"model": {**MINIMAL["model"], "flow_shift": True}})
+
+
+def test_data_resolved_fills_buckets_and_dtypes():
+    recipe = recipe_from_dict({**MINIMAL, "data": {"num_frames": 17, "height": 480, "width": 832}})
+    data = recipe.data.resolved(recipe.model)
+    assert data.buckets == ["17x480x832"] and data.cache_dtype == data.text_encoder_dtype == "bfloat16"
+    assert recipe.data.buckets is None  # the recipe itself is unchanged
+    recipe = recipe_from_dict({**MINIMAL, "data": {"buckets": [" 17X480x832", "1x64x64"], "cache_dtype": "float32"}})
+    assert recipe.data.resolved(recipe.model).buckets == ["17x480x832", "1x64x64"]
+    assert recipe.data.resolved(recipe.model).cache_dtype == "float32"
+    with pytest.raises(RecipeError, match=r"data.buckets\[1\]: bucket '64x64' is not FRAMESxHEIGHTxWIDTH"):
+        recipe_from_dict({**MINIMAL, "data": {"buckets": ["1x64x64", "64x64"]}})

@@ -68,20 +68,20 @@ def _serial(q, k, v, mask):
 
 
 def _parallel_config(world: int):
-    from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
+    """Op-level CP state (no model): what diffusers' dispatch hands the attention; it carries our registry and
+    transport. Without a plan its registry stays off (every call exchanges sizes) until a case turns it on."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from train.cp import ContextParallelState
+
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses"))
-    cfg = ParallelConfig(ContextParallelConfig(ring_degree=1, ulysses_degree=world, ulysses_anything=True, mesh=mesh))
-    cfg.setup(dist.get_rank(), world, torch.device("cpu"), mesh=mesh)
-    return cfg
+    return ContextParallelState.on_mesh(mesh, scope="op")
 
 
 def _attention_cases(rank: int, world: int) -> dict:
     from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 
     from train.cp import install_ulysses_anything_backward
-    from train.cp.comm import get_transport
 
     install_ulysses_anything_backward()
     install_ulysses_anything_backward()  # idempotent
@@ -112,7 +112,7 @@ def _attention_cases(rank: int, world: int) -> dict:
                 "dv": (vl.grad - shard(vs.grad)).abs().max().item(),
             }
     lse = _lse_case(rank, world, cfg)
-    stats = get_transport().stats.sites
+    stats = cfg.transport.stats.sites
     calls = {site: stats[site].calls for site in ("qkv", "d_qkv", "mask")}
     registry = _registry_cases(rank, world, cfg)
     return {"errors": errors, "lse": lse, "calls": calls, "stock_mask_error": _stock_mask_error(rank, world, cfg),
@@ -135,7 +135,7 @@ def _registry_cases(rank: int, world: int, cfg) -> dict:
     """
     from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 
-    from train.cp.layout import REGISTRY, LayoutError
+    from train.cp.layout import LayoutError, LayoutRegistry
 
     out = {}
     cases = (
@@ -146,13 +146,14 @@ def _registry_cases(rank: int, world: int, cfg) -> dict:
     )
     for name, recorded, seqs, masked, verify in cases:
         exchanges, errors, raised = [], [], []
-        REGISTRY.verify = verify
+        cfg.layout = reg = LayoutRegistry(scope=f"op-{name}")  # each case is a model of its own: its own memos
+        reg.verify = verify
         try:
             for _ in range(3):
-                REGISTRY.reset(enabled=True, scope=f"op-{name}")
+                reg.reset(enabled=True)  # a model forward starts (the guard hook does this)
                 for length in recorded:  # what the split hooks would record
-                    REGISTRY.record(length, world)
-                before = REGISTRY.exchanges
+                    reg.record(length, world)
+                before = reg.exchanges
                 for seq in seqs:
                     gen = torch.Generator().manual_seed(seq)
                     q, k, v, dout = (torch.randn(1, seq, 7, 8, generator=gen) for _ in range(4))
@@ -173,9 +174,9 @@ def _registry_cases(rank: int, world: int, cfg) -> dict:
                                    ((y, ref), (ql.grad, qs.grad), (kl.grad, ks.grad), (vl.grad, vs.grad))]  # fmt: skip
                     except LayoutError as e:
                         raised.append(str(e).split(":")[0])
-                exchanges.append(REGISTRY.exchanges - before)
+                exchanges.append(reg.exchanges - before)
         finally:
-            REGISTRY.verify = False
+            reg.verify = False
         dist.barrier()  # every rank got here: nobody is stuck in a collective
         out[name] = {"exchanges": exchanges, "max_error": max(errors, default=0.0), "raised": raised}
     return out

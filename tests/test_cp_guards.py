@@ -40,7 +40,8 @@ def _guard_cases(rank: int, world: int) -> dict:
     helios = build_model("helios")
     res["helios_enable"] = _expect_error(lambda: enable_context_parallel(helios, mesh=mesh, for_training=True))
     helios = build_model("helios")
-    enable_context_parallel(helios, mesh=mesh)
+    state = enable_context_parallel(helios, mesh=mesh)
+    res["helios_problems"] = list(state.problems)  # the model's CP state says why (the guard refuses with it)
     inputs = build_inputs("helios")
     res["helios_train"] = _expect_error(lambda: helios(**inputs, return_dict=False))
     res["helios_in_step"] = _in_step()
@@ -88,6 +89,7 @@ def test_guards_refuse_before_any_collective() -> None:
     for res in run_distributed(_guard_cases, 2):
         assert res["helios_enable"] and "cannot be trained" in res["helios_enable"]
         assert res["helios_train"] and "gather" in res["helios_train"]
+        assert res["helios_problems"] and all(p in res["helios_train"] for p in res["helios_problems"])
         assert res["helios_inference_err"] < 1e-5
         for name in ("ltx", "ltx2"):
             assert res[f"{name}_mask"] and "encoder_attention_mask=None" in res[f"{name}_mask"], res[f"{name}_mask"]

@@ -1,8 +1,11 @@
-"""Model-level parity: all seven tiny models under CP 2, 3 and 4 vs a serial run — output, loss, EVERY gradient.
+"""Model-level parity: every family's tiny model under CP 2, 3 and 4 vs a serial run — output, loss, EVERY gradient.
 
-Tiny models have 7 heads and token counts that 2, 3 and 4 do not divide. The loss is computed on the gathered output,
-so each CP rank holds a partial gradient; after SUM over the CP group every parameter gradient must equal the serial
-one. The same test shows that MEAN (what a plain DDP/FSDP setup does) does not: it is 1/cp of the right value.
+Tiny models have 7 heads and token counts that 2, 3 and 4 do not divide. Inputs and loss go through each family's own
+spec, as the trainer's step does (tests/tiny_models.family_case): a synthetic batch of the family's tiny recipe shapes
+→ noise + sigmas → `spec.forward_kwargs(..., cp=True)` → model → `spec.predictions` → flow-matching loss. The loss is
+computed on the gathered output, so each CP rank holds a partial gradient; after SUM over the CP group every parameter
+gradient must equal the serial one. The same test shows that MEAN (what a plain DDP/FSDP setup does) does not: it is
+1/cp of the right value.
 """
 
 from __future__ import annotations
@@ -12,7 +15,15 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_distributed
-from tests.tiny_models import MODEL_NAMES, build_inputs, build_model, make_loss, output_tensors
+from tests.tiny_models import (
+    FAMILY_NAMES,
+    build_inputs,
+    build_model,
+    family_case,
+    family_loss,
+    make_loss,
+    output_tensors,
+)
 
 # Relative error per parameter: max|g_cp - g_serial| / max|g_serial|. fp32 CP reorders some sums (different
 # sequence chunks per rank), fp64 shows the math is exact up to rounding.
@@ -30,33 +41,32 @@ def _run_models(rank: int, world: int, checkpointing: bool, dtypes: tuple[torch.
     from torch.distributed.device_mesh import init_device_mesh
 
     from train.cp import enable_context_parallel
-    from train.cp.layout import REGISTRY
     from train.cp.reduce import GradReduction
 
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses"))
     reduction = GradReduction("allreduce", cp_group=mesh["ulysses"].get_group())
     results = {}
     for dtype in dtypes:
-        for name in MODEL_NAMES:
-            inputs = build_inputs(name, seed=1, dtype=dtype)
+        for name in FAMILY_NAMES:
+            case = family_case(name, seed=1, dtype=dtype)
             # Serial reference (every rank computes it; the models are tiny).
             serial = build_model(name, seed=0, dtype=dtype)
             if checkpointing:
                 serial.enable_gradient_checkpointing()
-            ref_out = output_tensors(name, serial(**inputs, return_dict=False))
-            ref_loss = make_loss(name, ref_out, seed=2)
+            ref_out = output_tensors(name, serial(**case.kwargs, return_dict=False))
+            ref_loss = family_loss(case, ref_out, serial.config)
             ref_loss.backward()
             ref_grads = {n: p.grad for n, p in serial.named_parameters() if p.requires_grad}
 
             model = build_model(name, seed=0, dtype=dtype)
-            enable_context_parallel(model, mesh=mesh)
+            registry = enable_context_parallel(model, mesh=mesh).layout  # this model's layout registry
             if checkpointing:
                 model.enable_gradient_checkpointing()
-            before = REGISTRY.exchanges  # the first forward of this shape: every layer's layout from the registry
-            out = output_tensors(name, model(**build_inputs(name, seed=1, dtype=dtype), return_dict=False))
-            loss = make_loss(name, out, seed=2)
+            before = registry.exchanges  # the first forward of this shape: every layer's layout from the registry
+            out = output_tensors(name, model(**family_case(name, seed=1, dtype=dtype).kwargs, return_dict=False))
+            loss = family_loss(case, out, model.config)
             loss.backward()
-            first_exchanges = REGISTRY.exchanges - before
+            first_exchanges = registry.exchanges - before
             partial = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
             reduction.reduce_gradients(model.parameters())  # SUM over CP
             summed = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
@@ -68,18 +78,18 @@ def _run_models(rank: int, world: int, checkpointing: bool, dtypes: tuple[torch.
             # The same step again in verify mode: every layer exchanges sizes and checks, on every rank alike, that
             # the registry decided right (it raises otherwise), with the same result.
             model.zero_grad(set_to_none=True)
-            REGISTRY.verify = True
+            registry.verify = True
             try:
-                before = REGISTRY.exchanges
-                out2 = output_tensors(name, model(**build_inputs(name, seed=1, dtype=dtype), return_dict=False))
-                make_loss(name, out2, seed=2).backward()
+                before = registry.exchanges
+                out2 = output_tensors(name, model(**family_case(name, seed=1, dtype=dtype).kwargs, return_dict=False))
+                family_loss(case, out2, model.config).backward()
             finally:
-                REGISTRY.verify = False
+                registry.verify = False
             reduction.reduce_gradients(model.parameters())
             second = {n: _rel(p.grad, ref_grads[n]) for n, p in model.named_parameters() if p.requires_grad}
             results[(name, str(dtype))] = {
                 "first_pass_exchanges": first_exchanges,
-                "verified_calls": REGISTRY.exchanges - before,
+                "verified_calls": registry.exchanges - before,
                 "second_pass_sum": max(second.values()),
                 "out": max((o - r).abs().max().item() for o, r in zip(out, ref_out)),
                 "loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
@@ -141,7 +151,6 @@ def _two_shapes_then_backward(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from train.cp import enable_context_parallel
-    from train.cp.layout import REGISTRY
     from train.cp.reduce import GradReduction
 
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses"))
@@ -160,13 +169,13 @@ def _two_shapes_then_backward(rank: int, world: int) -> dict:
     res = {}
     for mode, func in (("replayed", None), ("other checkpoint function", plain)):
         model = build_model("flux", seed=0)
-        enable_context_parallel(model, mesh=mesh)
+        registry = enable_context_parallel(model, mesh=mesh).layout  # this model's layout registry
         model.enable_gradient_checkpointing(func)
-        before = REGISTRY.exchanges
+        before = registry.exchanges
         step(model)
         reduction.reduce_gradients(model.parameters())
         res[mode] = {
-            "exchanges": REGISTRY.exchanges - before,
+            "exchanges": registry.exchanges - before,
             "grad": max(_rel(p.grad, ref[n]) for n, p in model.named_parameters()),
         }
     return res

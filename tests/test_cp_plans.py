@@ -295,19 +295,24 @@ def test_plan_for_base_class_and_unknown_class() -> None:
         (
             "0: {dim: 1, expected_dims: 4}",
             "0: {dimm: 1, expected_dims: 4}",
-            "cp_plans/wan.yaml: plan.rope.split_outputs.0.dimm: unknown key; expected one of dim, expected_dims",
+            "cp_plans/wan.yaml: plan.rope.split_outputs.0.dimm: unknown key (did you mean 'dim'?); "
+            "valid keys of plan.rope.split_outputs.0: dim, expected_dims",
         ),
-        ("split_outputs:", "split_output:", "plan.rope.split_output: unknown key; expected one of split_inputs"),
+        (
+            "split_outputs:",
+            "split_output:",
+            "plan.rope.split_output: unknown key (did you mean 'split_outputs'?); valid keys of plan.rope: split_in",
+        ),
         ("reason: null", "reason: null\nnotes: x", "cp_plans/wan.yaml: notes: unknown key"),
         (
             "hidden_states: {dim: 1, expected_dims: 3}",
             "hidden_states: {dim: one, expected_dims: 3}",
-            'plan."blocks.0".split_inputs.hidden_states.dim: expected an integer',
+            "plan.\"blocks.0\".split_inputs.hidden_states.dim: expected int, got 'one' (str)",
         ),
         ("0: {dim: 1, expected_dims: 4}", '"0": {dim: 1, expected_dims: 4}', "plan.rope.split_outputs.0: output ind"),
         ("{dim: 1, expected_dims: 4}", "{dim: 4, expected_dims: 4}", "dim 4 is out of range for a 4-d tensor"),
         ("training: supported", "training: unsupported", "reason: 'training: unsupported' needs a reason"),
-        ("training: supported", "training: yes", "training: expected one of supported, unsupported"),
+        ("training: supported", "training: yes", "training: expected one of 'supported', 'unsupported', got 'yes'"),
         ("  proj_out:", "  rope:", "duplicate key 'rope'"),
         (
             "gather: {dim: 1, expected_dims: 3}",
@@ -316,8 +321,12 @@ def test_plan_for_base_class_and_unknown_class() -> None:
         ),
         ("  blocks.0:", "  blocks..0:", 'plan."blocks..0": malformed module path'),
         ("gather: {dim: 1, expected_dims: 3}", "gather: []", "plan.proj_out.gather: empty gather list"),
-        ("layout_registry: true", "local_attention: blocks", "local_attention: expected a list of module paths"),
-        ("layout_registry: true", "local_attention: [blocks..0]", "local_attention.0: malformed module path"),
+        ("layout_registry: true", "local_attention: blocks", "local_attention: expected a list of str, got 'blocks'"),
+        ("layout_registry: true", "local_attention: [blocks..0]", "local_attention[0]: malformed module path"),
+        ("gather: {dim: 1, expected_dims: 3}", "gather: [{dim: x}]", "plan.proj_out.gather[0].dim: expected int"),
+        ("  proj_out:", "  0:", "plan.0: expected str keys, got 0 (int)"),
+        ("hidden_states: {dim", "1x: {dim", 'plan."blocks.0".split_inputs.1x: expected a forward() argument name'),
+        ("gather: {dim: 1, expected_dims: 3}", "gather: null", "plan.proj_out: empty entry; expected one of split_in"),
     ],
 )
 def test_loader_is_strict(tmp_path: Path, old: str, new: str, message: str) -> None:

@@ -1,9 +1,9 @@
 """Data pipeline: media decoding, synthetic media, prepare (cache writing), the cached dataset and the sampler.
 
 Serial, CPU, small: clips are 9 frames of 32x48 (Wan: 3 latent frames of 4x6), tiny random pipelines from
-`train.tiny.pipelines`. Cache-vs-direct comparisons re-encode with the VAE loaded on its own (not through the
-pipeline) and the same per-item generator (`train.prepare.item_seed`), so `latent_sample: sample` is checked exactly;
-`mode` (the posterior mean) is checked against the pipelines' own argmax helpers for the other families.
+`train.models.build_tiny_pipeline`. Cache-vs-direct comparisons re-encode with the VAE loaded on its own (not through
+the pipeline) and the same per-item generator (`train.prepare.item_seed`), so `latent_sample: sample` is checked
+exactly; `mode` (the posterior mean) is checked against the pipelines' own argmax helpers for the other families.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from safetensors.torch import load_file
 from train.config import recipe_from_dict
 from train.data.batches import check_text_lengths
 from train.data.dataset import BucketBatchSampler, CachedLatentDataset, collate, read_manifest
-from train.data.families import get_encoder
 from train.data.media import BadMediaError, Bucket, Geometry, load_audio, load_clip, load_item, probe
 from train.data.synthetic_media import (
     COLOR_TONES,
@@ -37,8 +36,8 @@ from train.data.synthetic_media import (
     write_image,
     write_video,
 )
-from train.prepare import PrepareError, check_geometry, item_seed, list_source, prepare, settings_from_recipe
-from train.tiny.pipelines import build_tiny_pipeline
+from train.models import build_tiny_pipeline, get_encoder
+from train.prepare import PrepareError, check_geometry, item_seed, list_source, prepare
 
 REPO = Path(__file__).resolve().parents[1]
 F, H, W, FPS = 9, 32, 48, 16.0
@@ -53,7 +52,7 @@ def _recipe(family: str, pipe: Path, source: Path, cache: Path, **data) -> objec
 
 
 def _settings(family, pipe, source, cache, data=None, **overrides):
-    return settings_from_recipe(_recipe(family, pipe, source, cache, **(data or {})), **overrides)
+    return _recipe(family, pipe, source, cache, **{**(data or {}), **overrides})  # overrides: more data.* keys
 
 
 def _quiet(_: str) -> None:
@@ -77,7 +76,7 @@ def wan_cache(tmp_path_factory, media, wan) -> Path:
     """A complete Wan cache of the media set (video bucket + a 1-frame bucket for the image)."""
     cache = tmp_path_factory.mktemp("cache") / "wan"
     s = _settings("wan", wan, media[0], cache, buckets=[f"{F}x{H}x{W}", f"1x{H}x{W}"], max_bad_fraction=0.6)
-    prepare(settings=s, log=_quiet)
+    prepare(s, log=_quiet)
     return cache
 
 
@@ -176,7 +175,7 @@ def test_geometry_rules_and_startup_errors(media, wan, tmp_path):
             prepare(_recipe("wan", wan, media[0], tmp_path / "c", **data), log=_quiet)
     assert not (tmp_path / "c").exists()
     with pytest.raises(PrepareError, match="pretrained_path"):
-        settings_from_recipe(recipe_from_dict({"model": {"family": "wan", "init_config": {}}, "data": {}}))
+        prepare(recipe_from_dict({"model": {"family": "wan", "init_config": {}}, "data": {}}), log=_quiet)
     check_geometry(_settings("wan", wan, media[0], tmp_path / "c"))
     mm = Geometry("minimax_h3", "video", 32, 17, 5)  # MiniMax-H3: 17n + 5 frames, sides of multiples of 32
     assert mm.problems(Bucket(5, 32, 64)) == mm.problems(Bucket(22, 64, 96)) == []
@@ -203,7 +202,7 @@ def test_prepare_reports_bad_items_and_caches_only_good_ones(media, wan_cache):
 
 def test_too_many_bad_items_fail_after_writing_the_manifest(media, wan, tmp_path):
     with pytest.raises(PrepareError, match="max_bad_fraction"):
-        prepare(settings=_settings("wan", wan, media[0], tmp_path / "c"), log=_quiet)
+        prepare(_settings("wan", wan, media[0], tmp_path / "c"), log=_quiet)
     m = read_manifest(tmp_path / "c")  # one video bucket only: both images (good and small) are too short too
     assert m["counts"]["bad"] == len(BAD) + 1 and m["counts"]["bad_by_reason"]["too_short"] == 3
 
@@ -245,12 +244,12 @@ def _cache_tensors(cache: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 def test_interrupted_prepare_resumes_to_the_same_cache(media, wan, wan_cache, tmp_path):
     s = _settings("wan", wan, media[0], tmp_path / "c", buckets=[f"{F}x{H}x{W}", f"1x{H}x{W}"], max_bad_fraction=0.6)
-    partial = prepare(settings=s, stop_after=2, log=_quiet)
+    partial = prepare(s, stop_after=2, log=_quiet)
     assert partial["interrupted"] and partial["new"] == 2
     assert len(list((tmp_path / "c" / "samples").iterdir())) == 2 and not (tmp_path / "c" / "manifest.json").exists()
     with pytest.raises(FileNotFoundError, match="did not finish"):
         CachedLatentDataset(tmp_path / "c")
-    m = prepare(settings=s, log=_quiet)
+    m = prepare(s, log=_quiet)
     assert m["counts"]["reused"] == 2 and m["counts"]["new"] == 3
     resumed, full = _cache_tensors(tmp_path / "c"), _cache_tensors(wan_cache)
     assert resumed.keys() == full.keys()
@@ -260,7 +259,7 @@ def test_interrupted_prepare_resumes_to_the_same_cache(media, wan, wan_cache, tm
     assert m["samples"] == read_manifest(wan_cache)["samples"]
     # a resumed run with other settings is refused instead of mixing two caches
     with pytest.raises(PrepareError, match="other settings"):
-        prepare(settings=_settings("wan", wan, media[0], tmp_path / "c", {"fps": 8.0}), log=_quiet)
+        prepare(_settings("wan", wan, media[0], tmp_path / "c", {"fps": 8.0}), log=_quiet)
 
 
 def test_prepare_cli_on_two_processes_matches_one(tmp_path, wan):
@@ -298,7 +297,7 @@ def test_datasets_source_with_video_bytes(tmp_path, wan):
     ds.cast_column("video", datasets.Video(decode=False)).to_parquet(tmp_path / "hf" / "train.parquet")
     listing = list_source(str(tmp_path / "hf"), caption_column="caption")
     assert len(listing) == 2 and isinstance(listing[0].media, dict) and listing[0].media["bytes"]
-    m = prepare(settings=_settings("wan", wan, tmp_path / "hf", tmp_path / "c", {"caption_column": "caption"}))
+    m = prepare(_settings("wan", wan, tmp_path / "hf", tmp_path / "c", {"caption_column": "caption"}))
     assert m["counts"]["ok"] == 2 and m["samples"][1]["caption"] == rows[1]["text"]
 
 
@@ -392,7 +391,7 @@ def test_sampler_sizes_and_errors():
 def test_buckets_follow_the_aspect_ratio(tmp_path, wan):
     make_media_set(tmp_path / "m", num_videos=4, frames=F, height=H, width=W, fps=FPS, sizes=[(32, 48), (48, 32)])
     buckets = [f"{F}x32x48", f"{F}x48x32"]
-    m = prepare(settings=_settings("wan", wan, tmp_path / "m", tmp_path / "c", buckets=buckets), log=_quiet)
+    m = prepare(_settings("wan", wan, tmp_path / "m", tmp_path / "c", buckets=buckets), log=_quiet)
     assert [s["bucket"] for s in m["samples"]] == [buckets[0], buckets[1]] * 2
     ds = CachedLatentDataset(tmp_path / "c")
     for batch in _take(BucketBatchSampler(ds.buckets, 2, seed=0), 4):
@@ -453,7 +452,7 @@ def test_prepare_other_families(family, tmp_path_factory):
     if family != "chronoedit":
         data["max_text_tokens"] = 16
     cache = tmp_path_factory.mktemp("cache") / family
-    m = prepare(settings=_settings(family, path, root, cache, data, latent_sample="mode"), log=_quiet)
+    m = prepare(_settings(family, path, root, cache, data, latent_sample="mode"), log=_quiet)
     assert m["counts"]["ok"] == len(rows) and m["family"] == family
     ds = CachedLatentDataset(cache)
     assert set(spec.batch_keys) <= set(ds[0]) and "prompt_mask" in ds[0]
@@ -498,8 +497,8 @@ def test_prepare_minimax_h3_video_audio_and_text(tmp_path_factory):
     from diffusers.modular_pipelines.minimax_h3.modular_pipeline import audio_latent_num_frames
     from transformers.utils import is_torchvision_available
 
-    from train.data.families import load_qwen3vl_processor_without_torchvision
     from train.models import get_family
+    from train.models.minimax_h3.encoder import load_qwen3vl_processor_without_torchvision
 
     frames, height, width, fps = 22, 32, 64, 24.0  # 17 + 5 frames: two VAE chunks -> 7 latent frames
     path = build_tiny_pipeline("minimax_h3", tmp_path_factory.mktemp("pipes") / "minimax_h3")
@@ -511,7 +510,7 @@ def test_prepare_minimax_h3_video_audio_and_text(tmp_path_factory):
         f.write(json.dumps({"file_name": "silent.mp4", "text": "a red square moving left"}) + "\n")
     cache = tmp_path_factory.mktemp("cache") / "minimax_h3"
     data = {"num_frames": frames, "height": height, "width": width, "fps": fps, "max_bad_fraction": 0.5}
-    m = prepare(settings=_settings("minimax_h3", path, root, cache, data), log=_quiet)
+    m = prepare(_settings("minimax_h3", path, root, cache, data), log=_quiet)
     assert m["counts"]["ok"] == 2 and m["counts"]["bad_by_reason"] == {"no_audio": 1, "no_caption": 1}
     ds = CachedLatentDataset(cache)
     assert set(get_family("minimax_h3").batch_keys) <= set(ds[0]) and m["text"]["max_tokens"] is None
@@ -573,7 +572,7 @@ def test_prepare_minimax_h3_video_audio_and_text(tmp_path_factory):
     assert load_file(cache / "empty_prompt.safetensors")["prompt_embeds"].shape == (0, 16)  # "" has no token
     # data.max_text_tokens keeps the first rows of the same encoding (the Qwen3-VL stack is causal)
     cut = tmp_path_factory.mktemp("cache") / "minimax_h3_16"
-    short = prepare(settings=_settings("minimax_h3", path, root, cut, {**data, "max_text_tokens": 16}), log=_quiet)
+    short = prepare(_settings("minimax_h3", path, root, cut, {**data, "max_text_tokens": 16}), log=_quiet)
     assert short["text"] == {"max_tokens": 16, "longest": 16}
     first = load_file(cut / short["samples"][0]["file"])
     torch.testing.assert_close(first["prompt_embeds"], ds[0]["prompt_embeds"][:16], rtol=1e-5, atol=1e-5)

@@ -1,4 +1,5 @@
-"""The README demo, end to end on CPU: media → cached latents (tiny Wan pipeline) → CP 2 training whose loss falls."""
+"""The README demo, end to end on CPU: media → cached latents (the demo recipe's tiny pipeline, Wan) → CP 2 training
+whose loss falls. Every step reads recipes/demo.yaml (`python -m train.demo --recipe ...` included)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ def _run(*args: str) -> str:
 
 def test_demo_media_to_cache_to_cp_training(tmp_path: Path) -> None:
     assets, cache, run = tmp_path / "assets", tmp_path / "cache", tmp_path / "run"
-    _run("-m", "train.demo", "--out", str(assets))
     paths = [f"--set=model.pretrained_path={assets / 'pipeline'}", f"--set=data.source={assets / 'media'}",
              f"--set=data.cache_dir={cache}"]  # fmt: skip
+    out = _run("-m", "train.demo", "--recipe", "recipes/demo.yaml", *paths)  # the family and sizes of the recipe
+    assert "tiny wan pipeline" in out and (assets / "pipeline" / "model_index.json").exists()
     out = _run("-m", "train.prepare", "--recipe", "recipes/demo.yaml", *paths)
     assert "16 ok" in out and "0 bad" in out
     manifest = json.loads((cache / "manifest.json").read_text())

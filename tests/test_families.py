@@ -1,72 +1,57 @@
-"""Model-family specs (train/models) and the flow-matching objective (train/objective.py). Serial, CPU, fast.
+"""Model families (train/models/<family>/) and the flow-matching objective (train/objective.py). Serial, CPU, fast.
 
-For every family, with a tiny random-init transformer (configs of tests/tiny_models.py) and random latents:
-(1) the forward kwargs equal what the family's diffusers pipeline builds with its own packing / id / layout helpers,
+Every test that is not about one family's quirk runs for every discovered family (`family_names()`):
+(0) discovery: the packages under train/models/ are the families, each with its contract, CP plan and tiny recipe,
+(1) the forward kwargs equal what the family's diffusers pipeline itself passes its transformer: the tiny pipeline's
+    own `__call__` (MiniMax-H3: its modular denoise blocks) runs one step on cached embeddings written by the
+    family's data encoder, with the transformer's forward wrapped to capture its kwargs, and `spec.forward_kwargs`
+    of the same latents and the sigma the scheduler used must equal them; where the pipeline returns the denoised
+    latents in the cache layout, `spec.predictions` must give that step too (velocity sign, unpacking),
 (2) the transformer runs on them, the prediction comes back in the latent layout, and unpack(pack(x)) == x,
 (3) timestep sampling is deterministic, in (0, 1) and shifted as the family's scheduler shifts,
 (4) every LoRA target matches a module of the transformer,
-(5) train/ outside train/models/ has no family-name branches.
+(5) no code under train/ outside train/models/ names a family.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
-import re
+import functools
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
+import diffusers
 import numpy as np
 import pytest
 import torch
-from diffusers import (
-    AutoencoderKLWan,
-    ChronoEditPipeline,
-    FlowMatchEulerDiscreteScheduler,
-    Flux2Pipeline,
-    FluxPipeline,
-    LTXPipeline,
-    MiniMaxH3Scheduler,
-    QwenImagePipeline,
-    UniPCMultistepScheduler,
-)
-from diffusers.modular_pipelines.minimax_h3.before_denoise import (
-    MiniMaxH3PrepareLatentsStep,
-    MiniMaxH3PrepareLayoutStep,
-    MiniMaxH3SetTimestepsStep,
-)
-from diffusers.modular_pipelines.minimax_h3.decoders import MiniMaxH3AfterDenoiseStep
-from diffusers.modular_pipelines.modular_pipeline import PipelineState
-from diffusers.pipelines.flux.pipeline_flux import calculate_shift as flux_calculate_shift
-from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
-from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift as ltx_calculate_shift
-from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift as qwen_calculate_shift
+from diffusers import FlowMatchEulerDiscreteScheduler, MiniMaxH3Scheduler, UniPCMultistepScheduler
+from diffusers.utils.torch_utils import randn_tensor
 
+import train.models
 from tests import tiny_models as tm
 from train import objective
-from train.models import FAMILIES, FamilySpec, get_family
-from train.models.spec import matches_lora_target, output_tensors
+from train.cp.plans import plan_for
+from train.data.dataset import collate
+from train.models import (
+    FAMILIES,
+    FamilyEncoder,
+    FamilySpec,
+    build_tiny_pipeline,
+    family_for_transformer,
+    family_module,
+    family_names,
+    get_encoder,
+    get_family,
+    tiny_config,
+)
+from train.models.spec import output_tensors
 
-NAMES = tuple(FAMILIES)
+NAMES = family_names()
 REPO = Path(__file__).resolve().parents[1]
-
-# tiny_models configs, adjusted where a family's training inputs differ from the CP parity inputs: ChronoEdit takes
-# [latents | 4 mask channels | condition latents] (I2V); MiniMax-H3's pipeline blocks (run without VAEs) assume the
-# released 24 video / 32 audio latent channels.
-CONFIG_OVERRIDES: dict[str, dict[str, Any]] = {
-    "chronoedit": {"in_channels": 12},
-    "minimax_h3": {"in_channels": 24, "audio_in_channels": 32},
-}
-
-# Per-sample cached latent shapes (primary stream first).
-LATENT_SHAPES: dict[str, dict[str, tuple[int, ...]]] = {
-    "flux": {"latents": (4, 6, 8)},
-    "flux2": {"latents": (16, 3, 4)},
-    "qwenimage": {"latents": (4, 1, 6, 8)},
-    "wan": {"latents": (4, 3, 4, 6)},
-    "chronoedit": {"latents": (4, 2, 2, 4)},
-    "ltx": {"latents": (8, 3, 4, 5)},
-    "minimax_h3": {"latents": (24, 2, 4, 6), "audio_latents": (2, 32, 5)},
-}
 BATCH = 2
 
 
@@ -74,98 +59,14 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
-    return torch.randn(shape, generator=gen)
-
-
-def _padding_mask(batch_size: int, length: int) -> torch.Tensor:
-    mask = torch.ones(batch_size, length, dtype=torch.bool)
-    mask[0, -2:] = False
-    return mask
-
-
 def tiny_model(name: str) -> torch.nn.Module:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = tm.MODEL_CLASSES[name](**{**tm.CONFIGS[name], **CONFIG_OVERRIDES.get(name, {})})
-    return model.eval()
-
-
-def tiny_wan_vae() -> AutoencoderKLWan:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        vae = AutoencoderKLWan(
-            base_dim=8,
-            z_dim=4,
-            dim_mult=[1, 1, 1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],
-            latents_mean=[0.1, -0.2, 0.3, 0.0],
-            latents_std=[1.5, 0.5, 2.0, 1.0],
-        )
-    return vae.eval()
-
-
-def make_batch(name: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A cached batch of BATCH samples (clean latents of every stream + conditioning)."""
-    gen = _gen(seed)
-    cfg = {**tm.CONFIGS[name], **CONFIG_OVERRIDES.get(name, {})}
-    batch = {k: _randn(gen, BATCH, *shape) for k, shape in LATENT_SHAPES[name].items()}
-    text_dim = tm.TEXT_DIM
-    text_len = {"chronoedit": 512}.get(name, 5)
-    batch["prompt_embeds"] = _randn(gen, BATCH, text_len, text_dim)
-    extra: dict[str, dict[str, torch.Tensor]] = {
-        "flux": {"pooled_embeds": _randn(gen, BATCH, cfg.get("pooled_projection_dim", 1))},
-        "qwenimage": {"prompt_mask": _padding_mask(BATCH, text_len)},
-        "ltx": {"prompt_mask": _padding_mask(BATCH, text_len)},
-        "chronoedit": {
-            "condition_latents": _randn(gen, BATCH, *LATENT_SHAPES[name]["latents"]),
-            "image_embeds": _randn(gen, BATCH, 5, cfg.get("image_dim") or 1),
-        },
-    }
-    batch.update(extra.get(name, {}))
-    return batch
-
-
-def noisy_and_sigmas(spec: FamilySpec, batch: dict[str, torch.Tensor], seed: int = 1):
-    gen = _gen(seed)
-    seq_len = spec.image_seq_len(batch["latents"].shape[1:])
-    sigmas = objective.sample_stream_sigmas(BATCH, spec, image_seq_len=seq_len, generator=gen)
-    noisy = {}
-    for stream in spec.streams:
-        noise = objective.sample_noise(batch[stream].shape, generator=gen)
-        noisy[stream] = objective.add_noise(batch[stream], noise, sigmas[stream])
-    return noisy, sigmas
+    return tm.build_model(name).eval()
 
 
 def prepared(name: str, seed: int = 0, cp: bool = False):
-    spec = get_family(name)
-    model = tiny_model(name)
-    batch = make_batch(name, seed)
-    noisy, sigmas = noisy_and_sigmas(spec, batch, seed + 1)
-    kwargs = spec.forward_kwargs(batch, noisy, sigmas, model_config=model.config, cp=cp)
-    return spec, model, batch, noisy, sigmas, kwargs
-
-
-# Registry ------------------------------------------------------------------------------------------------------------
-
-
-def test_registry() -> None:
-    assert NAMES == tm.MODEL_NAMES
-    for name, spec in FAMILIES.items():
-        assert isinstance(spec, FamilySpec) and spec.name == name
-        assert get_family(name) is spec
-        assert spec.transformer_class == tm.MODEL_CLASSES[name].__name__
-        assert spec.streams[0] == "latents"
-        assert (REPO / "cp_plans" / f"{spec.cp_plan}.yaml").is_file()
-        with pytest.raises(dataclasses.FrozenInstanceError):
-            spec.name = "x"
-    with pytest.raises(KeyError, match="unknown model family"):
-        get_family("sd3")
-    assert [n for n, s in FAMILIES.items() if not s.text_mask_fed_in_cp] == ["ltx"]
-
-
-# (1) Inputs equal the pipeline's --------------------------------------------------------------------------------------
+    """spec, tiny model, and a synthetic step of BATCH samples of the family's tiny recipe shapes."""
+    case = tm.family_case(name, seed, cp=cp, batch_size=BATCH)
+    return case.spec, tiny_model(name), case.batch, case.noisy, case.sigmas, case.kwargs
 
 
 def _assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -173,208 +74,302 @@ def _assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert torch.equal(actual, expected)
 
 
-def test_flux_inputs_match_pipeline() -> None:
-    spec, _, batch, noisy, sigmas, kw = prepared("flux")
-    x = noisy["latents"]
-    b, c, h, w = x.shape
-    _assert_same(kw["hidden_states"], FluxPipeline._pack_latents(x, b, c, h, w))
-    _assert_same(kw["img_ids"], FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, x.device, x.dtype))
-    _assert_same(kw["txt_ids"], torch.zeros(batch["prompt_embeds"].shape[1], 3))  # FluxPipeline.encode_prompt
-    _assert_same(kw["guidance"], torch.full([1], 3.5, dtype=torch.float32).expand(b))
-    _assert_same(kw["pooled_projections"], batch["pooled_embeds"])
-    # FluxPipeline passes `timestep / 1000` with timestep = sigma * 1000
-    torch.testing.assert_close(kw["timestep"], sigmas["latents"] * 1000 / 1000)
+# (0) Discovery --------------------------------------------------------------------------------------------------------
 
 
-def test_flux2_inputs_match_pipeline() -> None:
-    spec, _, batch, noisy, sigmas, kw = prepared("flux2")
-    x = noisy["latents"]
-    _assert_same(kw["hidden_states"], Flux2Pipeline._pack_latents(x))
-    _assert_same(kw["img_ids"], Flux2Pipeline._prepare_latent_ids(x))
-    _assert_same(kw["txt_ids"], Flux2Pipeline._prepare_text_ids(batch["prompt_embeds"]))
-    _assert_same(kw["guidance"], torch.full([1], 4.0, dtype=torch.float32).expand(BATCH))
-    torch.testing.assert_close(kw["timestep"], sigmas["latents"])
+def test_families_are_the_packages_of_train_models() -> None:
+    folder = Path(train.models.__file__).parent
+    packages = sorted(p.name for p in folder.iterdir() if (p / "__init__.py").is_file() and p.name[0] != "_")
+    assert NAMES == tuple(packages) and len(NAMES) >= 7
+    assert not {"spec", "encoder", "tiny"} & set(NAMES)  # shared modules, not families
+    assert tuple(FAMILIES) == NAMES
 
 
-def test_qwenimage_inputs_match_pipeline() -> None:
-    spec, model, batch, noisy, sigmas, kw = prepared("qwenimage")
-    x = noisy["latents"]  # (B, C, 1, H, W): the training example's permute to the pipeline's (B, 1, C, H, W)
-    b, c, _, h, w = x.shape
-    _assert_same(kw["hidden_states"], QwenImagePipeline._pack_latents(x.permute(0, 2, 1, 3, 4), b, c, h, w))
-    assert kw["img_shapes"] == [[(1, h // 2, w // 2)]] * b
-    _assert_same(kw["encoder_hidden_states_mask"], batch["prompt_mask"])
-    assert kw["guidance"] is None  # Qwen-Image is not guidance-distilled
-    torch.testing.assert_close(kw["timestep"], sigmas["latents"])
-    # encode_prompt drops an all-ones mask
-    batch["prompt_mask"] = torch.ones_like(batch["prompt_mask"])
-    assert spec.forward_kwargs(batch, noisy, sigmas, model_config=model.config)["encoder_hidden_states_mask"] is None
+@pytest.mark.parametrize("name", NAMES)
+def test_family_contract(name: str) -> None:
+    spec, module = get_family(name), family_module(name)
+    assert isinstance(spec, FamilySpec) and spec is module.SPEC and spec.name == name
+    assert spec.streams[0] == "latents"
+    assert family_for_transformer(spec.transformer_class) is spec
+    for cls in (spec.transformer_class, spec.pipeline_class, spec.vae_class):
+        assert hasattr(diffusers, cls), cls
+    # what a family needs besides its folder: a CP plan for its transformer class, and a tiny recipe
+    assert plan_for(spec.transformer_class).path == REPO / "cp_plans" / f"{name}.yaml"
+    assert tm.tiny_recipe(name).model.family == name
+    encoder = get_encoder(name)
+    assert isinstance(encoder, FamilyEncoder) and encoder.name == name and encoder.pipe is None
+    assert encoder is not get_encoder(name) and encoder.spec is spec
+    config = tiny_config(name)
+    assert config == module.TINY_CONFIG and config is not module.TINY_CONFIG
+    assert module.__doc__ and "Cache:" in module.__doc__ and "Forward kwargs" in module.__doc__
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.name = "x"
 
 
-def test_wan_inputs_match_pipeline() -> None:
-    spec, _, batch, noisy, sigmas, kw = prepared("wan")
-    assert set(kw) == {"hidden_states", "timestep", "encoder_hidden_states"}
-    _assert_same(kw["hidden_states"], noisy["latents"])
-    _assert_same(kw["encoder_hidden_states"], batch["prompt_embeds"])
-    # WanPipeline passes the scheduler timestep t = sigma * num_train_timesteps
-    torch.testing.assert_close(kw["timestep"], sigmas["latents"] * 1000)
+def test_unknown_family() -> None:
+    for fn in (get_family, get_encoder, tiny_config):
+        with pytest.raises(KeyError, match="unknown model family"):
+            fn("sd3")
+    with pytest.raises(KeyError):
+        family_for_transformer("SD3Transformer2DModel")
+    assert [n for n, s in FAMILIES.items() if not s.text_mask_fed_in_cp] == ["ltx"]
 
 
+def test_tiny_pipeline_is_built_once(tmp_path: Path) -> None:
+    path = build_tiny_pipeline("wan", tmp_path / "wan")
+    stamp = (path / "model_index.json").stat().st_mtime_ns
+    assert build_tiny_pipeline("wan", path) == path and (path / "model_index.json").stat().st_mtime_ns == stamp
+
+
+# (1) Inputs equal the pipeline's own ----------------------------------------------------------------------------------
+# Each driver runs the family's tiny pipeline for one denoising step (a schedule that starts at SIGMA, before the
+# scheduler's own shift) on a batch its data encoder cached, and returns what the transformer received. The noise is
+# either passed as `latents` (where the pipeline takes the cache layout) or drawn by the pipeline from a seeded
+# generator and redrawn here in the layout the pipeline draws it (`prepare_latents`' randn shape).
+
+SIGMA = 0.6
+SEED = 0
+CAPTIONS = ("a red square", "a blue circle moving up on a white background")  # unequal lengths: padded masks
+
+
+@dataclass
+class PipelineStep:
+    batch: dict[str, torch.Tensor]  # the cached conditioning (data encoder + collate)
+    noisy: dict[str, torch.Tensor]  # the step's latents, in the cache layout
+    sigmas: dict[str, torch.Tensor]  # (B,) per stream: the sigma the scheduler used
+    kwargs: dict[str, Any]  # what the transformer got
+    out: Any  # what it returned
+    config: Any  # its config
+    final: dict[str, torch.Tensor] | None = None  # the pipeline's result in the cache layout, where it returns that
+
+
+@pytest.fixture(scope="module")
+def tiny_pipelines(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    root = tmp_path_factory.mktemp("tiny_pipelines")
+    return functools.cache(lambda name: build_tiny_pipeline(name, root / name))
+
+
+class _Step:
+    """Wraps a pipeline's transformer forward (capturing its kwargs and output) and forces its schedulers' sigmas."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, transformer: torch.nn.Module) -> None:
+        self.monkeypatch, self.transformer, self.calls = monkeypatch, transformer, []
+        original = transformer.forward
+
+        @functools.wraps(original)  # the pipelines read the forward's signature
+        def forward(**kwargs):
+            out = original(**kwargs)
+            self.calls.append(({k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()}, out))
+            return out
+
+        monkeypatch.setattr(transformer, "forward", forward)
+
+    def force_sigmas(self, scheduler: Any, sigmas: list[float]) -> None:
+        original = scheduler.set_timesteps
+
+        @functools.wraps(original)  # retrieve_timesteps checks that set_timesteps takes `sigmas`
+        def set_timesteps(*args, device=None, mu=None, **kwargs):
+            return original(sigmas=sigmas, device=device, **({} if mu is None else {"mu": mu}))
+
+        self.monkeypatch.setattr(scheduler, "set_timesteps", set_timesteps)
+
+    def result(self, batch, noisy, sigmas, final=None) -> PipelineStep:
+        assert len(self.calls) == 1, f"expected one transformer call, got {len(self.calls)}"
+        kwargs, out = self.calls[0]
+        return PipelineStep(batch, noisy, sigmas, kwargs, out, self.transformer.config, final)
+
+
+def _cached_text(name: str, path: Path, count: int, **media: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The family encoder's cache tensors of CAPTIONS[:count] (plus the given per-sample media tensors), collated."""
+    encoder = get_encoder(name)
+    encoder.load(str(path))
+    tokens = encoder.text_tokens(None)  # the family's default text length, as prepare uses it
+    return collate([{**encoder.encode_text(c, tokens), **media} for c in CAPTIONS[:count]])
+
+
+def _recipe_latents(name: str) -> tuple[int, ...]:
+    return (BATCH, *tm.tiny_recipe(name).data.synthetic.shapes["latents"])
+
+
+def _one_step(pipe: Any, monkeypatch: pytest.MonkeyPatch) -> _Step:
+    step = _Step(monkeypatch, pipe.transformer)
+    step.force_sigmas(pipe.scheduler, [SIGMA])
+    return step
+
+
+def _sigma(scheduler: Any, size: int) -> torch.Tensor:
+    return scheduler.sigmas[:1].expand(size)
+
+
+def _drive_flux(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    batch = _cached_text("flux", path, BATCH)
+    pipe = diffusers.FluxPipeline.from_pretrained(path)
+    step, (b, c, h, w), s = _one_step(pipe, monkeypatch), _recipe_latents("flux"), pipe.vae_scale_factor
+    pipe(prompt_embeds=batch["prompt_embeds"], pooled_prompt_embeds=batch["pooled_embeds"], height=h * s,
+         width=w * s, num_inference_steps=1, generator=_gen(SEED), output_type="latent")  # fmt: skip
+    noisy = randn_tensor((b, c, h, w), generator=_gen(SEED))  # prepare_latents' draw, before _pack_latents
+    return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)})
+
+
+def _drive_flux2(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    batch = _cached_text("flux2", path, BATCH)
+    pipe = diffusers.Flux2Pipeline.from_pretrained(path)
+    step, (b, c, h, w), s = _one_step(pipe, monkeypatch), _recipe_latents("flux2"), pipe.vae_scale_factor
+    noisy = torch.randn(b, c, h, w, generator=_gen(SEED))  # the 2x2-patchified layout Flux2Pipeline takes
+    pipe(prompt_embeds=batch["prompt_embeds"], latents=noisy, height=2 * h * s, width=2 * w * s,
+         num_inference_steps=1, output_type="latent")  # fmt: skip
+    return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)})
+
+
+def _drive_qwenimage(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    batch = _cached_text("qwenimage", path, BATCH)
+    assert not batch["prompt_mask"].all()  # a padded mask reaches the transformer
+    pipe = diffusers.QwenImagePipeline.from_pretrained(path)
+    step, (b, c, _, h, w), s = _one_step(pipe, monkeypatch), _recipe_latents("qwenimage"), pipe.vae_scale_factor
+    pipe(prompt_embeds=batch["prompt_embeds"], prompt_embeds_mask=batch["prompt_mask"], height=h * s, width=w * s,
+         num_inference_steps=1, generator=_gen(SEED), output_type="latent")  # fmt: skip
+    noisy = randn_tensor((b, 1, c, h, w), generator=_gen(SEED)).permute(0, 2, 1, 3, 4)  # drawn (B, 1, C, H, W)
+    return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)})
+
+
+def _drive_wan(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    batch = _cached_text("wan", path, BATCH)
+    pipe = diffusers.WanPipeline.from_pretrained(path)
+    step, (b, c, f, h, w) = _one_step(pipe, monkeypatch), _recipe_latents("wan")
+    s, t = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
+    noisy = torch.randn(b, c, f, h, w, generator=_gen(SEED))
+    final = pipe(
+        prompt_embeds=batch["prompt_embeds"],
+        latents=noisy,
+        height=h * s,
+        width=w * s,
+        num_frames=(f - 1) * t + 1,
+        guidance_scale=1.0,
+        num_inference_steps=1,
+        output_type="latent",
+    ).frames
+    return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)}, {"latents": final})
+
+
+def _drive_chronoedit(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    from PIL import Image
+
+    # ChronoEditPipeline generates 5 frames (2 latent frames) unless temporal reasoning is on
+    b, c, f, h, w = BATCH, tiny_config("chronoedit")["out_channels"], 2, 2, 4
+    pipe = diffusers.ChronoEditPipeline.from_pretrained(path)
+    s, t = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
+    image = torch.randint(0, 256, (3, h * s, w * s), generator=_gen(3), dtype=torch.uint8)
+    clip = torch.rand(3, (f - 1) * t + 1, h * s, w * s, generator=_gen(4)) * 2 - 1
+    clip[:, 0] = image / 127.5 - 1  # the input image is frame 0
+    encoder = get_encoder("chronoedit")
+    encoder.load(str(path))
+    media = encoder.encode_media(clip, None, "mode", None)  # condition_latents and image_embeds, as cached
+    batch = _cached_text("chronoedit", path, BATCH, condition_latents=media["condition_latents"],
+                         image_embeds=media["image_embeds"])  # fmt: skip
+    step = _one_step(pipe, monkeypatch)
+    noisy = torch.randn(b, c, f, h, w, generator=_gen(SEED))
+    final = pipe(image=Image.fromarray(image.permute(1, 2, 0).numpy()), prompt_embeds=batch["prompt_embeds"],
+                 latents=noisy, height=h * s, width=w * s, num_frames=(f - 1) * t + 1, guidance_scale=1.0,
+                 num_inference_steps=1, output_type="latent").frames  # fmt: skip
+    return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)}, {"latents": final})
+
+
+def _drive_ltx(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    batch = _cached_text("ltx", path, BATCH, frame_rate=torch.tensor(24.0))
+    assert not batch["prompt_mask"].all()  # a padded mask reaches the transformer
+    pipe = diffusers.LTXPipeline.from_pretrained(path)
+    step, (b, c, f, h, w) = _one_step(pipe, monkeypatch), _recipe_latents("ltx")
+    s, t = pipe.vae_spatial_compression_ratio, pipe.vae_temporal_compression_ratio
+    pipe(prompt_embeds=batch["prompt_embeds"], prompt_attention_mask=batch["prompt_mask"], height=h * s,
+         width=w * s, num_frames=(f - 1) * t + 1, frame_rate=24, guidance_scale=1.0, num_inference_steps=1,
+         generator=_gen(SEED), output_type="latent")  # fmt: skip
+    noisy = randn_tensor((b, c, f, h, w), generator=_gen(SEED))  # prepare_latents' draw, before _pack_latents
+    return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)})
+
+
+def _drive_minimax_h3(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    """The modular pipeline's t2va core denoise blocks (layout, latents, timesteps, denoise loop, unpack) for one
+    sample (the pipeline generates one), at its shortest duration (5 s: 124 frames, 37 latent frames)."""
+    from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3CoreDenoiseStep
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MINIMAX_H3_TEXT_TAG, audio_latent_num_frames
+
+    batch = _cached_text("minimax_h3", path, 1)
+    pipe = MiniMaxH3CoreDenoiseStep().init_pipeline(str(path))
+    pipe.load_components(dtype=torch.float32)
+    step = _Step(monkeypatch, pipe.transformer)
+    step.force_sigmas(pipe.scheduler, [SIGMA, 0.0])  # MiniMaxH3Scheduler sigmas end at 0
+    step.force_sigmas(pipe.audio_scheduler, [SIGMA / 2, 0.0])
+    frames, side = 124, 32
+    video = torch.randn(1, tiny_config("minimax_h3")["in_channels"], 37, side // 16, side // 16, generator=_gen(1))
+    audio = torch.randn(2, 32, audio_latent_num_frames(frames), generator=_gen(2))
+    text = batch["prompt_embeds"]
+    state = pipe(latents=video, audio_latents=audio, prompt_embeds=text, height=side, width=side, num_frames=frames,
+                 text_token_tags=torch.full(text.shape[1:2], MINIMAX_H3_TEXT_TAG), num_inference_steps=2,
+                 output=["latents", "audio_latents"])  # fmt: skip
+    noisy = {"latents": video, "audio_latents": audio[None]}  # the cache layout (B, 2, 32, N)
+    sigmas = {"latents": _sigma(pipe.scheduler, 1), "audio_latents": _sigma(pipe.audio_scheduler, 1)}
+    final = {"latents": state["latents"], "audio_latents": state["audio_latents"][None]}
+    return step.result(batch, noisy, sigmas, final)
+
+
+PIPELINE_DRIVERS: dict[str, Callable[[Path, pytest.MonkeyPatch], PipelineStep]] = {
+    name.removeprefix("_drive_"): fn for name, fn in globals().items() if name.startswith("_drive_")
+}
+
+
+def _assert_kwargs_equal(ours: dict[str, Any], theirs: dict[str, Any], name: str) -> None:
+    assert set(ours) <= set(theirs), f"{name}: the pipeline passes no {sorted(set(ours) - set(theirs))}"
+    for key, value in ours.items():
+        got = theirs[key]
+        if torch.is_tensor(value):
+            assert torch.is_tensor(got) and value.dtype == got.dtype, (key, value.dtype, got)
+            torch.testing.assert_close(value, got, msg=lambda m, k=key: f"{name}.{k}: {m}")
+        else:
+            assert value == got, (name, key, value, got)
+    extra = {k: v for k, v in theirs.items() if k not in ours and k != "return_dict"}
+    assert all(v is None or v == {} for v in extra.values()), f"{name}: the pipeline also passes {extra}"
+
+
+@pytest.mark.parametrize("name", NAMES)
 @torch.no_grad()
-def test_chronoedit_inputs_match_pipeline() -> None:
-    spec = get_family("chronoedit")
-    model = tiny_model("chronoedit")
-    pipe = ChronoEditPipeline(
-        tokenizer=None,
-        text_encoder=None,
-        image_encoder=None,
-        image_processor=None,
-        transformer=None,
-        vae=tiny_wan_vae(),
-        scheduler=None,
-    )
-    batch = make_batch("chronoedit")
-    noisy, sigmas = noisy_and_sigmas(spec, batch)
-    _, channels, frames, lat_h, lat_w = noisy["latents"].shape
-    height, width = lat_h * pipe.vae_scale_factor_spatial, lat_w * pipe.vae_scale_factor_spatial
-    num_frames = (frames - 1) * pipe.vae_scale_factor_temporal + 1
-    image = torch.rand(1, 3, height, width, generator=_gen(5)) * 2 - 1
-    latents, condition = pipe.prepare_latents(
-        image, BATCH, channels, height, width, num_frames, torch.float32, "cpu", None, noisy["latents"]
-    )
-    # The cache holds the normalised condition latents; the mask is rebuilt by the spec.
-    batch["condition_latents"] = condition[:, pipe.vae_scale_factor_temporal :]
-    kw = spec.forward_kwargs(batch, noisy, sigmas, model_config=model.config)
-    _assert_same(kw["hidden_states"], torch.cat([latents, condition], dim=1))  # the pipeline's latent_model_input
-    _assert_same(kw["encoder_hidden_states_image"], batch["image_embeds"])
-    torch.testing.assert_close(kw["timestep"], sigmas["latents"] * 1000)
+def test_forward_kwargs_match_the_pipeline_step(name: str, tiny_pipelines, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert name in PIPELINE_DRIVERS, f"tests/test_families.py: add _drive_{name} (how its pipeline runs one step)"
+    run = PIPELINE_DRIVERS[name](tiny_pipelines(name), monkeypatch)
+    spec = get_family(name)
+    assert float(run.sigmas["latents"][0]) not in (0.0, 1.0)  # a step where the timestep convention shows
+    ours = spec.forward_kwargs(run.batch, run.noisy, run.sigmas, model_config=run.config)
+    _assert_kwargs_equal(ours, run.kwargs, name)
+    preds = spec.predictions(run.out, {s: x.shape for s, x in run.noisy.items()}, model_config=run.config)
+    assert {s: p.shape for s, p in preds.items()} == {s: x.shape for s, x in run.noisy.items()}
+    if run.final is not None:  # one Euler step from sigma to 0: x0 = x_sigma - sigma * (noise - x0) in our convention
+        for s, x in run.noisy.items():
+            sigma = run.sigmas[s].view(-1, *[1] * (x.ndim - 1))
+            torch.testing.assert_close(run.final[s], x - sigma * preds[s], rtol=1e-5, atol=1e-5)
 
 
-def test_ltx_inputs_match_pipeline() -> None:
-    spec, model, batch, noisy, sigmas, kw = prepared("ltx")
-    pipe = LTXPipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=model)
-    x = noisy["latents"]
-    _, _, f, h, w = x.shape
-    p, pt = pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size
-    _assert_same(kw["hidden_states"], LTXPipeline._pack_latents(x, p, pt))
-    assert (kw["num_frames"], kw["height"], kw["width"]) == (f, h, w)
-    frame_rate = 25  # LTXPipeline.__call__ default
-    expected_scale = (
-        pipe.vae_temporal_compression_ratio / frame_rate,
-        pipe.vae_spatial_compression_ratio,
-        pipe.vae_spatial_compression_ratio,
-    )
-    assert kw["rope_interpolation_scale"] == expected_scale
-    _assert_same(kw["encoder_attention_mask"], batch["prompt_mask"])
-    torch.testing.assert_close(kw["timestep"], sigmas["latents"] * 1000)
-    batch["frame_rate"] = torch.tensor([24.0, 24.0])
-    kw24 = spec.forward_kwargs(batch, noisy, sigmas, model_config=model.config)
-    assert kw24["rope_interpolation_scale"][0] == pipe.vae_temporal_compression_ratio / 24
+def test_every_family_has_a_pipeline_driver() -> None:
+    assert set(PIPELINE_DRIVERS) == set(NAMES)
 
 
 def test_ltx_text_mask_dropped_under_cp() -> None:
-    spec, _, batch, _, _, kw = prepared("ltx", cp=True)
+    spec, model, batch, _, sigmas, kw = prepared("ltx", cp=True)
     assert kw["encoder_attention_mask"] is None
-    # padding beyond the longest prompt of the batch is cut instead (sample 1 keeps all 5 tokens here)
+    # padding beyond the longest prompt of the batch is cut instead (sample 1 keeps every token here)
     _assert_same(kw["encoder_hidden_states"], batch["prompt_embeds"])
-    batch1 = {k: v[:1] for k, v in batch.items()}
-    noisy1 = {"latents": batch1["latents"]}
-    kw1 = spec.forward_kwargs(batch1, noisy1, torch.tensor([0.5]), model_config=tiny_model("ltx").config, cp=True)
+    batch1 = {k: v[:1] for k, v in batch.items()}  # sample 0 pads its last two tokens
+    kw1 = spec.forward_kwargs(batch1, {"latents": batch1["latents"]}, sigmas["latents"][:1],
+                              model_config=model.config, cp=True)  # fmt: skip
     assert kw1["encoder_attention_mask"] is None
-    _assert_same(kw1["encoder_hidden_states"], batch1["prompt_embeds"][:, :3])
+    _assert_same(kw1["encoder_hidden_states"], batch1["prompt_embeds"][:, :-2])
     # Qwen-Image feeds its mask under CP
-    _, _, _, _, _, kwq = prepared("qwenimage", cp=True)
-    assert kwq["encoder_hidden_states_mask"] is not None
+    assert prepared("qwenimage", cp=True)[-1]["encoder_hidden_states_mask"] is not None
 
 
-def _minimax_components():
-    return MiniMaxH3PrepareLatentsStep().init_pipeline()
-
-
-@torch.no_grad()
-def test_minimax_h3_inputs_match_pipeline() -> None:
-    spec, model, batch, noisy, sigmas, kw = prepared("minimax_h3")
-    components = _minimax_components()
-    assert components.patch_size == tuple(model.config.patch_size)
-    video, audio = noisy["latents"], noisy["audio_latents"]
-    _, _, frames, height, width = video.shape
-    num_audio = audio.shape[-1]
-    for i in range(BATCH):  # the pipeline packs one sample at a time (batch dim 1)
-        state = PipelineState()
-        for key, value in {
-            "num_latent_frames": frames,
-            "latent_height": height,
-            "latent_width": width,
-            "num_audio_latents": num_audio,
-            "latents": video[i : i + 1],
-            "audio_latents": audio[i],
-            "generator": None,
-        }.items():
-            state.set(key, value)
-        _, state = MiniMaxH3PrepareLatentsStep()(components, state)
-        _assert_same(kw["hidden_states"][i], state.get("latents"))
-        _assert_same(kw["audio_hidden_states"][i], state.get("audio_latents"))
-
-    text_len = batch["prompt_embeds"].shape[1]
-    layout = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-        torch.full((text_len,), components.text_tag),
-        frames,
-        height,
-        width,
-        num_audio,
-        components.patch_size,
-        components.audio_channels,
-        components.audio_tag,
-        components.video_tag,
-        (),
-    )
-    position_ids, token_tags, video_indices, audio_indices, text_indices, n_cond_video, n_cond_audio = layout
-    for key, expected in zip(
-        ("position_ids", "token_tags", "video_indices", "audio_indices", "text_indices"),
-        (position_ids, token_tags, video_indices, audio_indices, text_indices),
-        strict=True,
-    ):
-        _assert_same(kw[key], expected)
-
-    # The pipeline's scheduler timesteps are t = 1 - sigma (MiniMaxH3Scheduler), one per modality.
-    video_t, audio_t = 1.0 - float(sigmas["latents"][0]), 1.0 - float(sigmas["audio_latents"][0])
-    timestep, timestep_indices = MiniMaxH3SetTimestepsStep.build_row_timesteps(
-        video_indices,
-        audio_indices,
-        n_cond_video,
-        n_cond_audio,
-        text_indices.numel(),
-        video_t,
-        audio_t,
-        max(video_t, components.keyframe_noise_aug),
-        1.0,
-    )
-    _assert_same(kw["timestep"], timestep)
-    _assert_same(kw["timestep_indices"], timestep_indices)
-    assert timestep.numel() == 2  # video (and text) rows, audio rows
-    _assert_same(kw["encoder_hidden_states"], batch["prompt_embeds"])
-
-
-@torch.no_grad()
-def test_minimax_h3_unpack_matches_pipeline() -> None:
-    spec, model, batch, noisy, _, kw = prepared("minimax_h3")
-    components = _minimax_components()
-    shapes = {k: v.shape for k, v in noisy.items()}
-    raw = spec.unpack_output((kw["hidden_states"], kw["audio_hidden_states"]), shapes, model_config=model.config)
-    _, _, frames, height, width = noisy["latents"].shape
-    for i in range(BATCH):
-        state = PipelineState()
-        for key, value in {
-            "latents": kw["hidden_states"][i],
-            "audio_latents": kw["audio_hidden_states"][i],
-            "num_latent_frames": frames,
-            "latent_height": height,
-            "latent_width": width,
-            "num_audio_latents": noisy["audio_latents"].shape[-1],
-        }.items():
-            state.set(key, value)
-        _, state = MiniMaxH3AfterDenoiseStep()(components, state)
-        _assert_same(raw["latents"][i : i + 1], state.get("latents"))
-        _assert_same(raw["audio_latents"][i], state.get("audio_latents"))
+def test_qwenimage_drops_an_all_ones_mask() -> None:
+    spec, model, batch, noisy, sigmas, kw = prepared("qwenimage")
+    _assert_same(kw["encoder_hidden_states_mask"], batch["prompt_mask"])
+    batch["prompt_mask"] = torch.ones_like(batch["prompt_mask"])  # as QwenImagePipeline.encode_prompt
+    assert spec.forward_kwargs(batch, noisy, sigmas, model_config=model.config)["encoder_hidden_states_mask"] is None
 
 
 def test_minimax_h3_batch_shares_layout() -> None:
@@ -387,7 +382,8 @@ def test_minimax_h3_batch_shares_layout() -> None:
     with pytest.raises(ValueError, match="same for every sample"):
         spec.forward_kwargs(batch, noisy, bad, model_config=model.config)
     # A prompt_mask shared by the batch drops padding rows from the packed text.
-    batch["prompt_mask"] = torch.tensor([[True, True, True, False, False]] * BATCH)
+    length = batch["prompt_embeds"].shape[1]
+    batch["prompt_mask"] = (torch.arange(length) < 3).expand(BATCH, length)
     kw = spec.forward_kwargs(batch, noisy, sigmas, model_config=model.config)
     _assert_same(kw["encoder_hidden_states"], batch["prompt_embeds"][:, :3])
     assert kw["text_indices"].numel() == 3
@@ -395,15 +391,13 @@ def test_minimax_h3_batch_shares_layout() -> None:
 
 # (2) Forward runs, output in latent layout, unpack(pack(x)) == x ------------------------------------------------------
 
-# What a "prediction" identical to the packed input looks like, per family (to check unpack is pack's inverse).
-PACKED_AS_OUTPUT = {
-    "flux": lambda kw: (kw["hidden_states"],),
-    "flux2": lambda kw: (kw["hidden_states"],),
-    "qwenimage": lambda kw: (kw["hidden_states"],),
-    "wan": lambda kw: (kw["hidden_states"],),
-    "ltx": lambda kw: (kw["hidden_states"],),
-    "minimax_h3": lambda kw: (kw["hidden_states"], kw["audio_hidden_states"]),
-}
+
+def _packed_like_outputs(kwargs: dict[str, Any], out: list[torch.Tensor]) -> tuple[torch.Tensor, ...] | None:
+    """The packed noisy inputs in the places of the model's outputs (same shapes), or None where an output has no
+    such input (ChronoEdit's hidden_states carry the condition channels too)."""
+    inputs = [v for v in kwargs.values() if torch.is_tensor(v)]
+    matched = [next((x for x in inputs if x.shape == o.shape), None) for o in out]
+    return None if any(m is None for m in matched) else tuple(matched)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -425,8 +419,9 @@ def test_forward_and_unpack(name: str) -> None:
     losses = objective.stream_losses(preds, targets)
     assert all(torch.isfinite(v) and v.ndim == 0 for v in losses.values())
 
-    if name in PACKED_AS_OUTPUT:
-        roundtrip = spec.unpack_output(PACKED_AS_OUTPUT[name](kw), shapes, model_config=model.config)
+    packed = _packed_like_outputs(kw, output_tensors(out))
+    if packed is not None:
+        roundtrip = spec.unpack_output(packed, shapes, model_config=model.config)
         for stream in spec.streams:
             _assert_same(roundtrip[stream], noisy[stream])
 
@@ -459,31 +454,42 @@ def _scheduler_sigmas(shift_spec, u: torch.Tensor, mu: float | None) -> torch.Te
     raise AssertionError(shift_spec.scheduler_class)
 
 
-def _pipeline_mu(name: str, image_seq_len: int) -> float | None:
-    """mu as the family's pipeline computes it from its scheduler config (None: static shift)."""
-    cfg = get_family(name).shift.scheduler_config
-    args = (
-        cfg.get("base_image_seq_len", 256),
-        cfg.get("max_image_seq_len", 4096),
-        cfg.get("base_shift", 0.5),
-        cfg.get("max_shift", 1.15),
-    )
-    return {
-        "flux": lambda: flux_calculate_shift(image_seq_len, *args),
-        "qwenimage": lambda: qwen_calculate_shift(image_seq_len, *args),
-        "ltx": lambda: ltx_calculate_shift(image_seq_len, *args),
-        "flux2": lambda: compute_empirical_mu(image_seq_len=image_seq_len, num_steps=50),
-    }.get(name, lambda: None)()
+def _pipeline_mu(spec: FamilySpec, image_seq_len: int) -> float | None:
+    """mu as the family's pipeline module computes it from its scheduler config (None: static shift): its own
+    `calculate_shift`, or Flux.2's `compute_empirical_mu` at the pipeline's default step count."""
+    if spec.shift.kind == "static":
+        return None
+    module = sys.modules[getattr(diffusers, spec.pipeline_class).__module__]
+    cfg = spec.shift.scheduler_config
+    if hasattr(module, "calculate_shift"):
+        args = (cfg["base_image_seq_len"], cfg["max_image_seq_len"], cfg["base_shift"], cfg["max_shift"])
+        return module.calculate_shift(image_seq_len, *args)
+    return module.compute_empirical_mu(image_seq_len=image_seq_len, num_steps=50)
+
+
+def matches_lora_target(module_name: str, target: str) -> bool:
+    """Whether peft's ``target_modules=[target]`` selects ``module_name`` (exact name or ``.``-suffix match)."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    return bool(check_target_module_exists(LoraConfig(target_modules=[target]), module_name))
+
+
+def sigmas(batch_size: int, spec: FamilySpec, **kwargs: Any) -> torch.Tensor:
+    """The primary stream's sigmas, as the trainer draws them."""
+    return objective.sample_stream_sigmas(batch_size, spec, **kwargs)["latents"]
+
+
+def _latents_shape(name: str) -> tuple[int, ...]:
+    return tuple(tm.tiny_recipe(name).data.synthetic.shapes["latents"])
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("scheme", objective.SAMPLING_SCHEMES)
+@pytest.mark.parametrize("scheme", get_args(objective.SamplingScheme))
 def test_sample_timesteps_deterministic_and_in_range(name: str, scheme: str) -> None:
     spec = get_family(name)
-    seq_len = spec.image_seq_len(LATENT_SHAPES[name]["latents"])
-    draw = lambda seed: objective.sample_timesteps(  # noqa: E731
-        64, spec, scheme=scheme, image_seq_len=seq_len, generator=_gen(seed)
-    )
+    seq_len = spec.image_seq_len(_latents_shape(name))
+    draw = lambda seed: sigmas(64, spec, scheme=scheme, image_seq_len=seq_len, generator=_gen(seed))  # noqa: E731
     a, b, c = draw(0), draw(0), draw(1)
     assert a.shape == (64,) and a.dtype == torch.float32
     assert torch.equal(a, b)
@@ -492,7 +498,7 @@ def test_sample_timesteps_deterministic_and_in_range(name: str, scheme: str) -> 
     if spec.shared_timestep:
         assert torch.equal(a, a[:1].expand(64))
     for stream in spec.streams:
-        s = objective.sample_timesteps(8, spec, scheme=scheme, image_seq_len=seq_len, generator=_gen(3), stream=stream)
+        s = objective.sample_stream_sigmas(8, spec, scheme=scheme, image_seq_len=seq_len, generator=_gen(3))[stream]
         assert bool(((s > 0) & (s < 1)).all())
 
 
@@ -501,7 +507,7 @@ def test_shift_matches_scheduler(name: str) -> None:
     spec = get_family(name)
     u = torch.tensor([0.02, 0.1, 0.25, 0.5, 0.75, 0.9, 0.98])
     for seq_len in (256, 1024, 4608, 9000):
-        mu = _pipeline_mu(name, seq_len)
+        mu = _pipeline_mu(spec, seq_len)
         for stream in spec.streams:
             shift_spec = spec.stream_shift(stream)
             ours = objective.shift_sigmas(u, shift_spec, seq_len)
@@ -515,20 +521,21 @@ def test_shift_matches_scheduler(name: str) -> None:
                 assert shift_spec.kind == "dynamic"
                 assert shift_spec.mu(seq_len) == pytest.approx(mu, rel=1e-12)
             torch.testing.assert_close(ours, _scheduler_sigmas(shift_spec, u, mu), rtol=1e-6, atol=1e-6)
-    # sample_timesteps = the shifted base draw
-    seq_len = spec.image_seq_len(LATENT_SHAPES[name]["latents"])
+    # the primary stream's sigmas = the shifted base draw
+    seq_len = spec.image_seq_len(_latents_shape(name))
     u = objective.sample_base(1 if spec.shared_timestep else 16, generator=_gen(7)).expand(16)
     expected = objective.shift_sigmas(u, spec.shift, seq_len).clamp(objective.SIGMA_EPS, 1 - objective.SIGMA_EPS)
-    _assert_same(objective.sample_timesteps(16, spec, image_seq_len=seq_len, generator=_gen(7)), expected)
+    _assert_same(sigmas(16, spec, image_seq_len=seq_len, generator=_gen(7)), expected)
 
 
 def test_dynamic_shift_needs_seq_len_and_depends_on_it() -> None:
     spec = get_family("flux")
     with pytest.raises(ValueError, match="image_seq_len"):
-        objective.sample_timesteps(4, spec, generator=_gen(0))
-    small = objective.sample_timesteps(256, spec, image_seq_len=256, generator=_gen(0))
-    large = objective.sample_timesteps(256, spec, image_seq_len=4096, generator=_gen(0))
+        sigmas(4, spec, generator=_gen(0))
+    small = sigmas(256, spec, image_seq_len=256, generator=_gen(0))
+    large = sigmas(256, spec, image_seq_len=4096, generator=_gen(0))
     assert bool((large >= small).all()) and large.mean() > small.mean()  # larger images -> noisier
+    assert get_family("wan").image_seq_len((4, 5, 2, 14)) is None  # a static shift needs no resolution
 
 
 def test_objective_pieces() -> None:
@@ -546,10 +553,7 @@ def test_objective_pieces() -> None:
     assert torch.equal(objective.loss_weight(sigmas, "none"), torch.ones(3))
     torch.testing.assert_close(objective.loss_weight(sigmas, "sigma_sqrt"), sigmas**-2)
     torch.testing.assert_close(objective.loss_weight(sigmas, "cosmap"), 2 / (np.pi * (1 - 2 * sigmas + 2 * sigmas**2)))
-    with pytest.raises(ValueError):
-        objective.loss_weight(sigmas, "bogus")
-    with pytest.raises(ValueError):
-        objective.sample_base(2, scheme="bogus", generator=gen)
+    # (an unknown scheme is refused by the recipe schema: train.timestep_sampling / train.loss_weighting are Literals)
 
     pred = target + torch.randn(target.shape, generator=gen)
     weights = torch.tensor([1.0, 2.0, 0.0])
@@ -575,37 +579,58 @@ def test_lora_targets_match_modules(name: str) -> None:
         assert all(isinstance(modules[n], torch.nn.Linear) for n in hits)
 
 
-# (5) No family-name branches outside train/models/ --------------------------------------------------------------------
-
-_FAMILY_WORDS = "|".join(sorted({*NAMES, *tm.ALL_MODEL_NAMES, "qwen", "qwen_image", "minimax"}, key=len, reverse=True))
-_BRANCH_PATTERNS = [
-    re.compile(rf"(==|!=)\s*['\"]({_FAMILY_WORDS})['\"]"),
-    re.compile(rf"['\"]({_FAMILY_WORDS})['\"]\s*(==|!=)"),
-    re.compile(rf"\b(not\s+)?in\s*[\(\[\{{][^\)\]\}}]*['\"]({_FAMILY_WORDS})['\"]"),
-    re.compile(rf"\b(startswith|endswith)\(\s*['\"]({_FAMILY_WORDS})"),
-    re.compile(rf"\bcase\s+['\"]({_FAMILY_WORDS})['\"]"),
-]
+# (5) No family named outside train/models/ ----------------------------------------------------------------------------
 
 
-def family_branches(root: Path) -> list[str]:
+def family_mentions(root: Path, names: tuple[str, ...]) -> list[str]:
+    """Every string literal or identifier equal to a family key in the Python files under `root` (a `train/` folder),
+    outside `root/models/`: variable, attribute, argument, function, class and import names, keyword arguments,
+    dict keys and the pieces of f-strings alike."""
+    keys = set(names)
     hits = []
     for path in sorted(root.rglob("*.py")):
-        if "models" in path.relative_to(root).parts[:1]:
+        rel = path.relative_to(root)
+        if rel.parts[0] == "models":
             continue
-        for lineno, line in enumerate(path.read_text().splitlines(), 1):
-            if any(p.search(line) for p in _BRANCH_PATTERNS):
-                hits.append(f"{path.relative_to(root.parent)}:{lineno}: {line.strip()}")
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            found = []
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                found.append(node.value)
+            elif isinstance(node, ast.Name):
+                found.append(node.id)
+            elif isinstance(node, ast.Attribute):
+                found.append(node.attr)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                found.append(node.name)
+            elif isinstance(node, ast.arg):
+                found.append(node.arg)
+            elif isinstance(node, ast.keyword) and node.arg is not None:
+                found.append(node.arg)
+            elif isinstance(node, ast.alias):
+                found += [node.name, *node.name.split("."), node.asname or ""]
+            hits += [f"train/{rel}:{node.lineno}: {word!r}" for word in sorted(set(found) & keys)]
     return hits
 
 
-def test_no_family_name_branches_outside_models(tmp_path: Path) -> None:
-    assert family_branches(REPO / "train") == []
-    # the scan does catch them
+def test_no_family_named_outside_models(tmp_path: Path) -> None:
+    assert family_mentions(REPO / "train", NAMES) == []
+    # the scan catches a planted mention of every kind, and leaves train/models/ alone
     fake = tmp_path / "train"
     (fake / "models").mkdir(parents=True)
-    (fake / "trainer.py").write_text('if model == "flux":\n    pass\nif name in ("wan", "ltx"):\n    pass\n')
     (fake / "models" / "flux.py").write_text('if name == "flux":\n    pass\n')
-    assert len(family_branches(fake)) == 2
+    (fake / "data").mkdir()
+    (fake / "data" / "clean.py").write_text('"""Wan-style 4k+1 frames; see recipes/tiny/wan.yaml."""\nx = "wan2"\n')
+    (fake / "trainer.py").write_text(
+        'if family == "wan":\n    pass\n'
+        "def step(ltx=None):\n    return spec.flux2\n"
+        'FAMILIES = {"qwenimage": 1}\n'
+        'msg = f"{chronoedit}"\n'
+        "from train.models import minimax_h3\n"
+    )
+    hits = family_mentions(fake, NAMES)
+    words = sorted(h.split(": ")[1] for h in hits)
+    assert words == sorted(repr(n) for n in ("wan", "ltx", "flux2", "qwenimage", "chronoedit", "minimax_h3")), hits
+    assert all(h.startswith("train/trainer.py:") for h in hits)
 
 
 def test_output_tensors() -> None:

@@ -1,5 +1,9 @@
-"""Every family with a tiny pipeline, end to end: media → `train.prepare` (its own VAE / text encoders) → the
-trainer under CP 2 from that cache, matching the single-process run step by step (loss, grad_norm within 1e-5)."""
+"""Every discovered family, end to end with its tiny pipeline: media → `train.prepare` (its own VAE / text encoders) →
+the trainer under CP 2 from that cache, matching the single-process run step by step (loss, grad_norm within 1e-5).
+
+Clip sizes come from the family's own size rules (its encoder's `geometry`, read from the tiny pipeline's configs):
+the smallest valid frame count from 5 up, sides of 32 x 48 rounded up to the spatial multiple; families that denoise
+an audio stream get clips with a soundtrack."""
 
 from __future__ import annotations
 
@@ -13,9 +17,8 @@ import pytest
 
 from train.config import recipe_from_dict
 from train.data.synthetic_media import make_media_set
-from train.models import get_family
+from train.models import build_tiny_pipeline, family_names, get_encoder, get_family
 from train.prepare import prepare
-from train.tiny.pipelines import FAMILIES, build_tiny_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 REL_TOL = 1e-5
@@ -31,23 +34,27 @@ def _train(recipe: Path, out: Path, nproc: int) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@pytest.mark.parametrize("family", family_names())
 def test_family_prepares_and_trains_under_cp2(family: str, tmp_path: Path) -> None:
-    spec = get_family(family)
+    spec, encoder = get_family(family), get_encoder(family)
+    pipeline = build_tiny_pipeline(family, tmp_path / "pipe")
+    geometry = encoder.geometry(str(pipeline))
     video = spec.latent_kind == "video"
-    # MiniMax-H3: 17n + 5 frames at its 24 fps, sides of multiples of 32, and clips with a soundtrack
-    sound = family == "minimax_h3"
-    frames = (5 if sound else 9) if video else 1
-    height, width = (32, 64) if family in ("ltx", "minimax_h3") else (32, 48)
-    fps = 24.0 if sound else 16.0
+    frames = next(f for f in range(5, 100) if f % geometry.frame_period == geometry.frame_offset) if video else 1
+    height, width = _round_up(32, geometry.spatial_multiple), _round_up(48, geometry.spatial_multiple)
+    sound = "audio_latents" in spec.streams  # MiniMax-H3: clips with a soundtrack
+    fps = 24.0  # MiniMax-H3's fixed rate; any rate for the others
     media = tmp_path / "media"
-    make_media_set(media, num_videos=3 if video else 1, num_images=0 if video else 2, frames=9, height=height,
-                   width=width, fps=fps, audio=sound)  # fmt: skip
+    make_media_set(media, num_videos=3 if video else 1, num_images=0 if video else 2, frames=max(frames, 9),
+                   height=height, width=width, fps=fps, audio=sound)  # fmt: skip
     recipe = {
-        "model": {"family": family, "pretrained_path": str(build_tiny_pipeline(family, tmp_path / "pipe")),
-                  "dtype": "float32"},
+        "model": {"family": family, "pretrained_path": str(pipeline), "dtype": "float32"},
         "data": {"source": str(media), "cache_dir": str(tmp_path / "cache"), "height": height, "width": width,
-                 "num_frames": frames, "fps": fps, "max_text_tokens": None if family == "chronoedit" else 16},
+                 "num_frames": frames, "fps": fps, "max_text_tokens": None if encoder.fixed_text_tokens else 16},
         "train": {"max_steps": 3, "batch_size": 1, "lr": 1e-3, "seed": 0, "mixed_precision": "no"},
         "finetune": {"method": "lora", "lora_rank": 4, "lora_alpha": 4.0},
         "logging": {"wandb_mode": "disabled", "progress_bar": False},

@@ -99,31 +99,40 @@ def test_resume_is_exact(tmp_root: Path) -> None:
     launch(out, 2, "recipes/tiny/wan.yaml", *common, "train.max_steps=4", resume=True)
     resumed = metrics(out)
     assert [m["step"] for m in resumed] == [1, 2, 3, 4]
-    timing = ("tokens_per_s", "step_time_s", "peak_mem_bytes")  # measurements, not results: they may differ
+    timing = ("transformer_tokens_per_s", "step_time_s", "peak_mem_bytes")  # measurements, not results: they may differ
     exact = [{k: v for k, v in m.items() if k not in timing} for m in resumed[2:]]
     assert exact == [{k: v for k, v in m.items() if k not in timing} for m in straight[2:]]
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_000004"]  # keep_last=1
 
 
-def test_wandb_offline_run_and_outputs(tmp_root: Path) -> None:
+def test_wandb_offline_bf16_run_and_outputs(tmp_root: Path) -> None:
+    """A CP 2 run with wandb offline and `mixed_precision: bf16` (autocast on CPU too): its metrics, layout and LoRA
+    export; its loss differs from the fp32 single-process run by bf16 rounding, not more (so autocast did run)."""
     out = tmp_root / "wandb"
-    proc = launch(out, 2, "recipes/tiny/wan.yaml", "train.max_steps=2", "logging.wandb_mode=offline")
+    bf16 = "train.mixed_precision=bf16"
+    proc = launch(out, 2, "recipes/tiny/wan.yaml", "train.max_steps=2", "logging.wandb_mode=offline", bf16)
     runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, proc.stdout
     lines = metrics(out)
     assert [m["step"] for m in lines] == [1, 2]
     for m in lines:
-        assert {"step", "loss", "grad_norm", "lr", "tokens_per_s", "peak_mem_bytes"} <= set(m)
-        assert m["tokens_per_s"] > 0 and m["peak_mem_bytes"] > 0
+        assert {"step", "loss", "grad_norm", "lr", "transformer_tokens_per_s", "peak_mem_bytes"} <= set(m)
+        assert m["transformer_tokens_per_s"] > 0 and m["peak_mem_bytes"] > 0
+        # tokens/s × step time = the step's transformer tokens: 2 clips × (5 × 2/2 × 14/2 = 35 video tokens) = 70
+        assert round(m["transformer_tokens_per_s"] * m["step_time_s"]) == 70
     layout = json.loads((out / "layout.json").read_text())
     assert "SUM over cp=2" in layout["gradient_reduction"] and layout["cp_plan"].endswith("wan.yaml")
+    assert layout["mixed_precision"] == "bf16: bf16 autocast, fp32 master weights"
+    fp32 = run(tmp_root, 1, *QUIET, "finetune.method=lora", "train.gradient_checkpointing=false", "parallel.cp=1")
+    rel = [abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(lines, fp32)]
+    assert 1e-5 < max(rel) < 5e-2, rel
     assert (out / "recipe.yaml").exists()
 
     # The LoRA export loads into a diffusers pipeline of the same architecture, with the trained values and scale.
     from diffusers import WanPipeline
     from safetensors.torch import load_file
 
-    from train.tiny.pipelines import build_tiny_pipeline
+    from train.models import build_tiny_pipeline
 
     pipe = WanPipeline.from_pretrained(build_tiny_pipeline("wan", out / "pipeline"))
     pipe.load_lora_weights(out / "lora")
@@ -173,3 +182,27 @@ def test_every_tiny_recipe_trains_under_cp2(tmp_root: Path, recipe: Path) -> Non
                 recipe=str(recipe.relative_to(REPO)))  # fmt: skip
     assert [m["step"] for m in lines] == [1, 2]
     assert all(m["loss"] > 0 and m["grad_norm"] > 0 for m in lines)
+
+
+def test_mixed_precision_resolves_per_device() -> None:
+    """`bf16` autocasts on any device (never silently fp32 on CPU); `auto` is bf16 on GPU only; `no` is fp32."""
+    from train.finetune import autocast_dtype
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert [autocast_dtype(m, cpu) for m in ("bf16", "auto", "no")] == [torch.bfloat16, None, None]
+    assert [autocast_dtype(m, gpu) for m in ("bf16", "auto", "no")] == [torch.bfloat16, torch.bfloat16, None]
+
+
+def test_flow_shift_is_a_recipe_key() -> None:
+    """Wan's flow shift (3.0 at 480p) is the recipe default; `model.flow_shift: 5.0` (720p) shifts every sigma."""
+    from train.config import load_recipe
+    from train.modeling import family_spec
+    from train.objective import sample_stream_sigmas
+
+    default = family_spec(load_recipe(REPO / "recipes/tiny/wan.yaml").model)
+    shifted = family_spec(load_recipe(REPO / "recipes/tiny/wan.yaml", ["model.flow_shift=5.0"]).model)
+    assert (default.shift.shift, shifted.shift.shift) == (3.0, 5.0)
+    a, b = (sample_stream_sigmas(64, s, scheme="uniform", generator=torch.Generator().manual_seed(1))["latents"]
+            for s in (default, shifted))  # fmt: skip
+    u = a.double() / (3.0 - 2.0 * a.double())  # the same base draw: invert sigma = 3u / (1 + 2u)
+    torch.testing.assert_close(b.double(), 5.0 * u / (1 + 4.0 * u), rtol=1e-5, atol=1e-6)

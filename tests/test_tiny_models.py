@@ -1,9 +1,13 @@
-"""Serial sanity checks for tests/tiny_models.py (CPU, fast). Run with ``-s`` to see the per-model summary."""
+"""Serial sanity checks for tests/tiny_models.py (CPU, fast). Run with ``-s`` to see the per-model summary.
+
+Generic over the discovered families (every family's tiny transformer and its spec-built inputs) plus the two guard
+models (Helios, LTX-2).
+"""
 
 from __future__ import annotations
 
 import importlib
-import math
+import inspect
 import re
 import time
 from typing import Any
@@ -14,6 +18,8 @@ from diffusers.models.attention import AttentionModuleMixin
 from diffusers.models.attention_processor import Attention
 
 from tests import tiny_models as tm
+from train.cp.plans import plan_for, resolve_plan
+from train.models import family_names, get_family
 
 CP_DEGREES = (2, 3, 4)
 
@@ -29,16 +35,31 @@ def _forward_backward(name: str, seed: int = 0) -> tuple[torch.nn.Module, list[t
 
 
 def _heads(name: str) -> list[int]:
-    cfg = tm.CONFIGS[name]
+    cfg = tm.tiny_config(name)
     return [cfg[k] for k in ("num_attention_heads", "audio_num_attention_heads") if k in cfg]
 
 
+def _plain(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
 def test_names() -> None:
-    assert tm.MODEL_NAMES == ("flux", "flux2", "qwenimage", "wan", "chronoedit", "ltx", "minimax_h3")
+    assert tm.FAMILY_NAMES == family_names() and len(tm.FAMILY_NAMES) >= 7
     assert tm.GUARD_MODEL_NAMES == ("helios", "ltx2")
-    assert set(tm.CONFIGS) == set(tm.ALL_MODEL_NAMES)
+    assert not set(tm.GUARD_MODEL_NAMES) & set(tm.FAMILY_NAMES)
     with pytest.raises(KeyError):
         tm.build_model("nope")
+
+
+@pytest.mark.parametrize("name", tm.FAMILY_NAMES)
+def test_tiny_config_is_the_tiny_recipe_init_config(name: str) -> None:
+    """The family's tiny config (train/models/<family>/tiny.py) is what its tiny recipe random-initialises."""
+    recipe = tm.tiny_recipe(name)
+    assert recipe.model.family == name
+    assert {k: _plain(v) for k, v in tm.tiny_config(name).items()} == _plain(recipe.model.init_config)
+    assert set(get_family(name).batch_keys) <= set(recipe.data.synthetic.shapes)
 
 
 @pytest.mark.parametrize("name", tm.ALL_MODEL_NAMES)
@@ -76,24 +97,24 @@ def test_forward_backward_deterministic_and_all_grads_nonzero(name: str) -> None
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     print(
         f"\n[tiny] {name:11s} params={tm.count_params(model):>7,d} (frozen {frozen:,d}) heads={_heads(name)} "
-        f"head_dim={tm.CONFIGS[name]['attention_head_dim']} tokens={tm.token_counts(name)} "
-        f"batch={tm.BATCH_SIZES[name]} out={[tuple(o.shape) for o in outputs]} loss={loss.item():.3f} "
+        f"head_dim={tm.tiny_config(name)['attention_head_dim']} tokens={tm.token_counts(name)} "
+        f"batch={tm.batch_size(name)} out={[tuple(o.shape) for o in outputs]} loss={loss.item():.3f} "
         f"fwd+bwd={fwd_bwd_ms:.1f}ms min|grad|max={min_grad[0]:.1e} ({min_grad[1]})"
     )
 
 
-@pytest.mark.parametrize("name", tm.MODEL_NAMES)
+@pytest.mark.parametrize("name", tm.FAMILY_NAMES)
 def test_float64_matches_float32(name: str) -> None:
-    """The CP parity tests also run in float64 (exactness check)."""
+    """The CP parity tests also run in float64 (exactness check), through the family's own loss."""
     outs = {}
     for dtype in (torch.float32, torch.float64):
         model = tm.build_model(name, dtype=dtype)
-        inputs = tm.build_inputs(name, dtype=dtype)
+        case = tm.family_case(name, dtype=dtype)
         assert all(p.dtype == dtype for p in model.parameters())
-        assert inputs["hidden_states"].dtype == dtype
-        outs[dtype] = tm.output_tensors(name, model(**inputs, return_dict=False))
+        assert case.kwargs["hidden_states"].dtype == dtype
+        outs[dtype] = tm.output_tensors(name, model(**case.kwargs, return_dict=False))
         assert all(o.dtype == dtype for o in outs[dtype])
-        tm.make_loss(name, outs[dtype]).backward()
+        tm.family_loss(case, outs[dtype], model.config).backward()
         assert all(p.grad is not None and torch.any(p.grad) for p in model.parameters() if p.requires_grad)
     for a, b in zip(outs[torch.float32], outs[torch.float64], strict=True):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
@@ -105,7 +126,7 @@ def test_config_sizes(name: str) -> None:
     model = tm.build_model(name)
     assert time.perf_counter() - start < 1.0
     assert all(h == 7 for h in _heads(name)), _heads(name)
-    assert tm.CONFIGS[name]["attention_head_dim"] == 8
+    assert tm.tiny_config(name)["attention_head_dim"] == 8
     assert 20_000 <= tm.count_params(model) <= 300_000
     # Every attention module has 7 heads.
     attn_modules = [m for m in model.modules() if isinstance(m, (Attention, AttentionModuleMixin))]
@@ -113,89 +134,154 @@ def test_config_sizes(name: str) -> None:
     assert heads == {7}, heads
 
 
-@pytest.mark.parametrize("name", tm.ALL_MODEL_NAMES)
-def test_token_counts_not_divisible_by_cp_degrees(name: str) -> None:
+def _plan_split_sizes(model: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, int]:
+    """The length of every tensor the model's CP plan splits, recorded by hooks during one serial forward:
+    'module path: input name or output index' -> length along the split dim (first call of each module)."""
+    split: dict[str, int] = {}
+
+    def record(key: str, value: Any, c: Any) -> None:
+        if isinstance(value, torch.Tensor) and c.expected_dims in (None, value.ndim):
+            split.setdefault(key, value.shape[c.split_dim])
+
+    def input_hook(signature: inspect.Signature, key: str, label: str, c: Any):
+        def hook(module, args, kwargs):
+            record(label, signature.bind_partial(*args, **kwargs).arguments.get(key), c)
+
+        return hook
+
+    def output_hook(index: int, label: str, c: Any):
+        def hook(module, args, out):
+            record(label, out[index], c)
+
+        return hook
+
+    handles = []
+    for path, entry in resolve_plan(plan_for(model), model).items():
+        module = model.get_submodule(path)
+        for key, cpis in entry.split.items():
+            for c in cpis if isinstance(cpis, tuple) else (cpis,):
+                label = f"{path or '<root>'}: {key}"
+                if c.split_output:
+                    handles.append(module.register_forward_hook(output_hook(key, label, c)))
+                else:
+                    hook = input_hook(inspect.signature(module.forward), key, label, c)
+                    handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(**inputs, return_dict=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return split
+
+
+@pytest.mark.parametrize("name", tm.FAMILY_NAMES)
+def test_family_split_tokens_not_divisible_by_cp_degrees(name: str) -> None:
+    """Every tensor the family's CP plan splits (inputs and rope outputs alike) has a length that 2, 3 and 4 do not
+    divide, with the default (spec-built) inputs: every split the CP tests run is uneven. And `tokens_per_sample` is
+    the transformer's sequence of noised tokens: what the plan splits, alone or packed with the text (MiniMax-H3)."""
+    case = tm.family_case(name)
+    split = _plan_split_sizes(tm.build_model(name), case.kwargs)
+    assert split, f"{name}: the CP plan split nothing"
+    even = {k: n for k, n in split.items() if not all(n % d for d in CP_DEGREES)}
+    assert not even, f"{name}: split lengths divisible by one of {CP_DEGREES}: {even} (all: {split})"
+    tokens = case.spec.tokens_per_sample({s: x[1:] for s, x in case.shapes.items()}, tm.tiny_config(name))
+    text = case.kwargs[case.spec.text_kwarg].shape[1]
+    assert {tokens, tokens + text} & set(split.values()), (tokens, text, split)
+
+
+@pytest.mark.parametrize("name", tm.GUARD_MODEL_NAMES)
+def test_guard_token_counts_not_divisible_by_cp_degrees(name: str) -> None:
     counts = tm.token_counts(name)
     for key, count in counts.items():
         if (name, key) in tm.UNSPLIT_COUNTS:
             continue
         assert all(count % d for d in CP_DEGREES), f"{name}.{key} = {count} divisible by one of {CP_DEGREES}"
-
     inputs = tm.build_inputs(name)
-    bsz = tm.BATCH_SIZES[name]
-    hs = inputs["hidden_states"]
-    assert hs.shape[0] == bsz
-    media = counts.get("image", counts.get("video"))
-    if hs.ndim == 3:
-        assert hs.shape[1] == media
-    else:  # (B, C, F, H, W) video latents, patchified by the model
-        p_t, p_h, p_w = tm.CONFIGS[name]["patch_size"]
-        assert math.prod(hs.shape[2:]) // (p_t * p_h * p_w) == media
-    assert inputs["encoder_hidden_states"].shape[:2] == (bsz, counts["text"])
-    if name == "minimax_h3":
-        assert inputs["position_ids"].shape[0] == counts["packed"]
-        assert inputs["audio_hidden_states"].shape[1] == counts["audio"]
-    if name in ("minimax_h3", "helios"):  # the sequence the blocks see is built inside the model
+    assert inputs["encoder_hidden_states"].shape[:2] == (tm.batch_size(name), counts["text"])
+    if name == "helios":  # the sequence the blocks see is built inside the model
         model = tm.build_model(name)
-        blocks = model.transformer_blocks if name == "minimax_h3" else model.blocks
         seen: list[int] = []
-        blocks[0].register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[1]))
+        model.blocks[0].register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[1]))
         with torch.no_grad():
             model(**inputs, return_dict=False)
-        assert seen == [counts["packed" if name == "minimax_h3" else "total"]]
+        assert seen == [counts["total"]]
 
 
 def test_batch_sizes() -> None:
-    assert sum(b == 2 for b in tm.BATCH_SIZES.values()) >= 3
-    assert set(tm.BATCH_SIZES.values()) <= {1, 2}
+    sizes = [tm.batch_size(n) for n in tm.ALL_MODEL_NAMES]
+    assert sum(b == 2 for b in sizes) >= 3
+    assert set(sizes) <= {1, 2}
 
 
-def test_frozen_params_really_get_no_gradient() -> None:
-    """FROZEN_PARAMS must list exactly parameters that are structurally unused (grad None or all zero)."""
-    for name, patterns in tm.FROZEN_PARAMS.items():
-        model = tm.build_model(name)
-        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-        assert frozen, name
-        assert all(any(re.fullmatch(pat, n) for pat in patterns) for n in frozen)
-        model.requires_grad_(True)
-        outputs = tm.output_tensors(name, model(**tm.build_inputs(name), return_dict=False))
-        tm.make_loss(name, outputs).backward()
-        for n, p in model.named_parameters():
-            dead = p.grad is None or not torch.any(p.grad)
-            assert dead == (n in frozen), f"{name}.{n}: dead={dead}, frozen={n in frozen}"
+@pytest.mark.parametrize("name", tm.FAMILY_NAMES)
+def test_frozen_params_are_exactly_the_dead_ones(name: str) -> None:
+    """A family's `unused_params` lists exactly the parameters that are structurally unused (grad None or all zero)."""
+    model = tm.build_model(name)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    patterns = tm.frozen_params(name, model.config)
+    assert all(any(re.fullmatch(pat, n) for pat in patterns) for n in frozen)
+    model.requires_grad_(True)
+    outputs = tm.output_tensors(name, model(**tm.build_inputs(name), return_dict=False))
+    tm.make_loss(name, outputs).backward()
+    for n, p in model.named_parameters():
+        dead = p.grad is None or not torch.any(p.grad)
+        assert dead == (n in frozen), f"{name}.{n}: dead={dead}, frozen={n in frozen}"
 
 
-def test_qwen_has_padded_text_mask() -> None:
-    mask = tm.build_inputs("qwenimage")["encoder_hidden_states_mask"]
-    assert mask.shape == (tm.BATCH_SIZES["qwenimage"], tm.token_counts("qwenimage")["text"])
-    assert (mask == 0).any() and (mask == 1).any()
-    assert (mask[0] != mask[1]).any()  # different padding per sample
+def test_some_family_has_unused_params() -> None:
+    assert any(tm.frozen_params(n, tm.tiny_config(n)) for n in tm.FAMILY_NAMES)  # Qwen-Image's last text stream
 
 
-@pytest.mark.parametrize("name", ["ltx", "ltx2"])
-def test_ltx_text_mask_inputs(name: str) -> None:
+@pytest.mark.parametrize("name", tm.FAMILY_NAMES)
+def test_family_text_masks(name: str) -> None:
+    """Default inputs carry the text mask where CP can feed it (padded, different per sample); where it can't, the
+    mask is dropped and the text cut to the longest prompt, and `with_text_mask=True` gives the padded mask."""
+    spec = get_family(name)
     plain = tm.build_inputs(name)
+    if spec.text_mask_kwarg is None:
+        with pytest.raises(ValueError):
+            tm.build_inputs(name, with_text_mask=True)
+        return
     masked = tm.build_inputs(name, with_text_mask=True)
+    mask = masked[spec.text_mask_kwarg]
+    assert mask is not None and (mask == 0).any() and (mask == 1).any()
+    if spec.text_mask_fed_in_cp:
+        assert torch.equal(plain[spec.text_mask_kwarg], mask)
+        if mask.shape[0] > 1:
+            assert (mask[0] != mask[1]).any()  # different padding per sample
+        return
+    assert plain[spec.text_mask_kwarg] is None
+    kept = int(mask.bool().any(dim=0).nonzero().max()) + 1
+    assert torch.equal(plain[spec.text_kwarg], masked[spec.text_kwarg][:, :kept])
+    model = tm.build_model(name)
+    with torch.no_grad():
+        out_plain = tm.output_tensors(name, model(**plain, return_dict=False))
+        out_masked = tm.output_tensors(name, model(**masked, return_dict=False))
+    assert out_plain[0].shape == out_masked[0].shape
+
+
+def test_ltx2_text_mask_inputs() -> None:
+    plain = tm.build_inputs("ltx2")
+    masked = tm.build_inputs("ltx2", with_text_mask=True)
     assert plain["encoder_attention_mask"] is None
     mask = masked["encoder_attention_mask"]
-    assert mask.shape == (tm.BATCH_SIZES[name], tm.token_counts(name)["text"])
+    assert mask.shape == (tm.batch_size("ltx2"), tm.token_counts("ltx2")["text"])
     assert (mask == 0).any()
     mask_keys = ("encoder_attention_mask", "audio_encoder_attention_mask")
     for key, value in plain.items():
         if key not in mask_keys and isinstance(value, torch.Tensor):
             assert torch.equal(value, masked[key])
-    assert tm.build_text_mask_inputs(name)["encoder_attention_mask"] is not None
-    model = tm.build_model(name)
+    model = tm.build_model("ltx2")
     with torch.no_grad():
-        out_plain = tm.output_tensors(name, model(**plain, return_dict=False))
-        out_masked = tm.output_tensors(name, model(**masked, return_dict=False))
+        out_plain = tm.output_tensors("ltx2", model(**plain, return_dict=False))
+        out_masked = tm.output_tensors("ltx2", model(**masked, return_dict=False))
     assert not torch.allclose(out_plain[0], out_masked[0])
 
 
-@pytest.mark.parametrize("name", [n for n in tm.ALL_MODEL_NAMES if n not in ("ltx", "ltx2", "qwenimage")])
-def test_text_mask_unsupported(name: str) -> None:
+def test_helios_has_no_text_mask() -> None:
     with pytest.raises(ValueError):
-        tm.build_inputs(name, with_text_mask=True)
+        tm.build_inputs("helios", with_text_mask=True)
 
 
 def test_output_tensors_and_loss() -> None:

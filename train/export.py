@@ -22,9 +22,12 @@ def export_full(model: torch.nn.Module, out_dir: Path) -> Path | None:
     state = _full_state_dict(model, trainable_only=False)
     path = out_dir / "transformer"
     if dist.get_rank() == 0:
-        fresh = type(model).from_config(model.config)  # an unhooked, unsharded twin to hold the gathered weights
-        fresh.load_state_dict(state)
-        fresh.save_pretrained(path)
+        # An unhooked, unsharded twin built on the meta device (no second random init of the whole model): the
+        # gathered tensors become its parameters as they are (assign=True), so rank 0 holds the weights once.
+        with torch.device("meta"):
+            twin = type(model).from_config(model.config)
+        twin.load_state_dict(state, assign=True, strict=True)
+        twin.save_pretrained(path)
     dist.barrier()
     return path
 

@@ -1,14 +1,26 @@
-"""Build the transformer a recipe asks for: load (or random-init) it, then make it trainable (LoRA or full)."""
+"""Build the transformer a recipe asks for: its family spec, load (or random-init) it, make it trainable."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import diffusers
 import torch
 
 from .config import FinetuneConfig, ModelConfig
+from .models import get_family
 from .models.spec import FamilySpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def family_spec(cfg: ModelConfig) -> FamilySpec:
+    """The family's spec; `model.flow_shift`, when set, replaces the primary stream's shift by a static one."""
+    spec = get_family(cfg.family)
+    if cfg.flow_shift is None:
+        return spec
+    shift = dataclasses.replace(spec.shift, kind="static", shift=cfg.flow_shift, mu_fn=None)
+    return dataclasses.replace(spec, shift=shift)
 
 
 def load_transformer(cfg: ModelConfig, spec: FamilySpec, seed: int) -> torch.nn.Module:

@@ -2,10 +2,11 @@
 
 Per training step, with ``x0`` the cached latents of a stream and ``noise ~ N(0, I)``::
 
-    sigmas = sample_timesteps(B, spec, ..., generator=g)        # (B,) in (0, 1), the family's shift applied
+    sigmas = sample_stream_sigmas(B, spec, ..., generator=g)    # per stream, (B,) in (0, 1), the family's shift applied
+    noise  = sample_noise(x0.shape, generator=g)                 # per stream
     noisy  = add_noise(x0, noise, sigmas)                        # (1 - sigma) * x0 + sigma * noise
     target = flow_matching_target(x0, noise)                     # noise - x0
-    loss   = flow_matching_loss(pred, target, loss_weight(sigmas, "none"))
+    loss   = sum(stream_losses(preds, targets, weights).values())  # weights: loss_weight(sigmas, scheme) per stream
 
 The density of the base draw ``u`` comes from ``diffusers.training_utils.compute_density_for_timestep_sampling`` and the
 loss weighting from ``compute_loss_weighting_for_sd3`` (the SD3 / Flux / Qwen-Image training recipes); the shift is
@@ -27,13 +28,10 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
-from .models.spec import PRIMARY_STREAM, FamilySpec, ShiftSpec
+from .models.spec import FamilySpec, ShiftSpec
 
 SamplingScheme = Literal["logit_normal", "uniform", "mode"]
 WeightingScheme = Literal["none", "sigma_sqrt", "cosmap"]
-
-SAMPLING_SCHEMES: tuple[str, ...] = ("logit_normal", "uniform", "mode")
-WEIGHTING_SCHEMES: tuple[str, ...] = ("none", "sigma_sqrt", "cosmap")
 
 # Sigmas are clamped to [SIGMA_EPS, 1 - SIGMA_EPS]: sigma = 0 would make the sample clean (and `sigma_sqrt` weighting
 # infinite), sigma = 1 pure noise.
@@ -50,8 +48,6 @@ def sample_base(
     generator: torch.Generator,
 ) -> torch.Tensor:
     """Unshifted base sigmas ``u`` (B,) float32 on the generator's device, via diffusers' density sampler."""
-    if scheme not in SAMPLING_SCHEMES:
-        raise ValueError(f"unknown timestep sampling scheme {scheme!r}; expected one of {SAMPLING_SCHEMES}")
     if generator is None:
         raise ValueError("pass an explicit torch.Generator (CP peers must draw identical timesteps)")
     return compute_density_for_timestep_sampling(
@@ -115,33 +111,6 @@ def sample_stream_sigmas(
     return out
 
 
-def sample_timesteps(
-    batch_size: int,
-    spec: FamilySpec,
-    *,
-    scheme: SamplingScheme = "logit_normal",
-    logit_mean: float = 0.0,
-    logit_std: float = 1.0,
-    mode_scale: float = 1.29,
-    image_seq_len: int | None = None,
-    generator: torch.Generator,
-    device: torch.device | str | None = None,
-    stream: str = PRIMARY_STREAM,
-) -> torch.Tensor:
-    """Sigmas (B,) float32 in (0, 1) for one stream (default the primary latents); see :func:`sample_stream_sigmas`."""
-    return sample_stream_sigmas(
-        batch_size,
-        spec,
-        scheme=scheme,
-        logit_mean=logit_mean,
-        logit_std=logit_std,
-        mode_scale=mode_scale,
-        image_seq_len=image_seq_len,
-        generator=generator,
-        device=device,
-    )[stream]
-
-
 def sample_noise(
     shape: Sequence[int],
     *,
@@ -172,8 +141,6 @@ def flow_matching_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 def loss_weight(sigmas: torch.Tensor, scheme: WeightingScheme = "none") -> torch.Tensor:
     """Per-sample loss weights (B,) via ``compute_loss_weighting_for_sd3``."""
-    if scheme not in WEIGHTING_SCHEMES:
-        raise ValueError(f"unknown loss weighting scheme {scheme!r}; expected one of {WEIGHTING_SCHEMES}")
     return compute_loss_weighting_for_sd3(weighting_scheme=scheme, sigmas=sigmas).float()
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .cp import enable_context_parallel
+from .cp import ContextParallelState, enable_context_parallel
 from .cp.reduce import GradReduction
 
 
@@ -96,6 +96,14 @@ def check_replicated(model: torch.nn.Module) -> None:
         raise RuntimeError("ranks hold different initial weights (seed every rank alike before creating parameters)")
 
 
+@dataclass(frozen=True)
+class Parallelized:
+    """What `parallelize` applied: the gradient reduction in force, and the model's CP state (None when cp = 1)."""
+
+    reduction: GradReduction
+    cp: ContextParallelState | None
+
+
 def parallelize(
     model: torch.nn.Module,
     mesh: Mesh,
@@ -106,7 +114,7 @@ def parallelize(
     reshard_after_forward: bool,
     param_dtype: torch.dtype | None,
     cp_transport: str = "torch",
-) -> GradReduction:
+) -> Parallelized:
     """Apply, in this order (each step needs the previous one in place):
 
     1. CP hooks (diffusers' split/gather hooks + our trainable Ulysses): they wrap module forwards by name, so they
@@ -116,11 +124,13 @@ def parallelize(
     4. FSDP2: `fully_shard` each block, then the root, over dp×cp with gradient divide factor dp, so gradients are
        SUMMED over CP and averaged over DP. Without FSDP, a plain all-reduce does the same after backward.
 
-    Returns the gradient reduction in force; its self-check has already passed.
+    Returns the gradient reduction in force (its self-check has already passed) and the model's CP state (its plan,
+    layout registry and transport; None when cp = 1).
     """
     check_replicated(model)
+    cp = None
     if mesh.dims.cp > 1:
-        enable_context_parallel(model, mesh=mesh.cp, plan=cp_plan, for_training=True, transport=cp_transport)
+        cp = enable_context_parallel(model, mesh=mesh.cp, plan=cp_plan, for_training=True, transport=cp_transport)
     if gradient_checkpointing:
         model.enable_gradient_checkpointing()
     dp_group = mesh.dp.get_group() if mesh.dims.dp > 1 else None
@@ -136,4 +146,4 @@ def parallelize(
     else:
         reduction = GradReduction("allreduce", mesh.cp_group, dp_group)
     reduction.self_check()
-    return reduction
+    return Parallelized(reduction, cp)

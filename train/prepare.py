@@ -27,21 +27,21 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import os
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from train.config import Recipe, add_recipe_args, recipe_from_args
+from train.config import DataConfig, Recipe, add_recipe_args, recipe_from_args
 from train.data.dataset import CACHE_FORMAT, CACHE_VERSION, sample_path
-from train.data.families import get_encoder
 from train.data.media import (
     IMAGE_EXTENSIONS,
     VIDEO_EXTENSIONS,
@@ -52,17 +52,18 @@ from train.data.media import (
     probe,
     to_model_input,
 )
+from train.models import get_encoder
 
 __all__ = [
     "PrepareError",
-    "PrepareSettings",
     "SourceItem",
     "check_geometry",
+    "check_ready",
+    "fingerprint",
     "item_seed",
     "list_source",
     "main",
     "prepare",
-    "settings_from_recipe",
     "summary",
 ]
 
@@ -75,95 +76,55 @@ class PrepareError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------------------------ settings
+# prepare reads the recipe's own sections (data, model, train.seed, logging.progress_bar); the defaults that refer to
+# other keys (buckets, cache/text-encoder dtypes) are resolved by DataConfig.resolved, in train/config.py.
 
 
-@dataclass(frozen=True)
-class PrepareSettings:
-    """Everything prepare depends on, resolved from a recipe (data.* fields, some proposed: read with defaults)."""
-
-    family: str
-    pretrained_path: str
-    revision: str | None
-    source: str
-    cache_dir: str
-    caption_column: str = "text"
-    media_column: str | None = None
-    split: str = "train"
-    buckets: tuple[str, ...] = ("1x512x512",)
-    fps: float | None = None
-    max_text_tokens: int | None = None
-    latent_sample: str = "sample"
-    seed: int = 42
-    cache_dtype: str = "bfloat16"
-    text_encoder_dtype: str = "bfloat16"
-    allow_upscale: bool = False
-    max_bad_fraction: float = 0.1
-    prefetch: int = 2
-    progress_bar: bool = True
-
-    # Settings that change what is written; a resumed prepare must match them.
-    FINGERPRINT = (
-        "family", "pretrained_path", "revision", "source", "split", "media_column", "caption_column", "buckets",
-        "fps", "max_text_tokens", "latent_sample", "seed", "cache_dtype", "text_encoder_dtype", "allow_upscale",
-    )  # fmt: skip
-
-    def fingerprint(self) -> dict[str, Any]:
-        d = asdict(self)
-        return {k: list(d[k]) if isinstance(d[k], tuple) else d[k] for k in self.FINGERPRINT}
-
-
-def settings_from_recipe(recipe: Recipe, **overrides: Any) -> PrepareSettings:
-    """Resolve the prepare settings of a recipe; keyword overrides replace fields (tests, or not-yet-schema fields)."""
-    data, model = recipe.data, recipe.model
-    buckets = data.buckets or [f"{data.num_frames}x{data.height}x{data.width}"]
-    kw: dict[str, Any] = dict(
-        family=model.family,
-        pretrained_path=model.pretrained_path,
-        revision=model.revision,
-        source=data.source,
-        cache_dir=data.cache_dir,
-        caption_column=data.caption_column,
-        media_column=data.media_column,
-        split=data.split,
-        buckets=tuple(str(Bucket.parse(b)) for b in buckets),
-        fps=data.fps,
-        max_text_tokens=data.max_text_tokens,
-        latent_sample=data.latent_sample,
-        seed=recipe.train.seed,
-        cache_dtype=data.cache_dtype or model.dtype,
-        text_encoder_dtype=data.text_encoder_dtype or model.dtype,
-        allow_upscale=data.allow_upscale,
-        max_bad_fraction=data.max_bad_fraction,
-        prefetch=max(1, data.num_workers),
-        progress_bar=recipe.logging.progress_bar,
-    )
-    kw.update(overrides)
-    if "buckets" in overrides:
-        kw["buckets"] = tuple(str(Bucket.parse(str(b))) for b in overrides["buckets"])
-    required = {
-        "cache_dir": "data.cache_dir: set the folder to write the cache to",
-        "source": "data.source: set a media folder, metadata file or datasets name",
-        "pretrained_path": "model.pretrained_path: set the pipeline folder/hub id holding the VAE and text encoders",
+def fingerprint(recipe: Recipe) -> dict[str, Any]:
+    """The settings that change what is written (prepare_config.json): a resumed prepare must match them."""
+    model, data = recipe.model, recipe.data.resolved(recipe.model)
+    return {
+        "family": model.family,
+        "pretrained_path": model.pretrained_path,
+        "revision": model.revision,
+        "source": data.source,
+        "split": data.split,
+        "media_column": data.media_column,
+        "caption_column": data.caption_column,
+        "buckets": data.buckets,
+        "fps": data.fps,
+        "max_text_tokens": data.max_text_tokens,
+        "latent_sample": data.latent_sample,
+        "seed": recipe.train.seed,
+        "cache_dtype": data.cache_dtype,
+        "text_encoder_dtype": data.text_encoder_dtype,
+        "allow_upscale": data.allow_upscale,
     }
-    problems = [why for key, why in required.items() if kw[key] is None]
+
+
+def check_ready(recipe: Recipe) -> None:
+    """Raise PrepareError when a setting prepare needs is null, and ValueError when a bucket has a size the family's
+    VAE/transformer cannot take: at startup, before anything is loaded."""
+    required = {
+        "data.cache_dir: set the folder to write the cache to": recipe.data.cache_dir,
+        "data.source: set a media folder, metadata file or datasets name": recipe.data.source,
+        "model.pretrained_path: set the pipeline folder/hub id holding the VAE and text encoders": (
+            recipe.model.pretrained_path
+        ),
+    }
+    problems = [why for why, value in required.items() if value is None]
     if problems:
         raise PrepareError("cannot prepare:\n  " + "\n  ".join(problems))
-    if kw["latent_sample"] not in ("sample", "mode"):
-        raise PrepareError(f"data.latent_sample must be 'sample' or 'mode', got {kw['latent_sample']!r}")
-    for key in ("cache_dtype", "text_encoder_dtype"):
-        if kw[key] not in DTYPES:
-            raise PrepareError(f"data.{key} must be one of {sorted(DTYPES)}, got {kw[key]!r}")
-    if not 0 <= kw["max_bad_fraction"] <= 1:
-        raise PrepareError(f"data.max_bad_fraction must be in [0, 1], got {kw['max_bad_fraction']}")
-    return PrepareSettings(**kw)
+    check_geometry(recipe)
 
 
-def check_geometry(settings: PrepareSettings) -> None:
+def check_geometry(recipe: Recipe) -> None:
     """Raise ValueError at startup when a bucket has a size the family's VAE/transformer cannot take."""
-    encoder = get_encoder(settings.family)
-    geometry = encoder.geometry(settings.pretrained_path, settings.revision)
-    geometry.check([Bucket.parse(b) for b in settings.buckets])
-    encoder.text_tokens(settings.max_text_tokens)  # ChronoEdit: a fixed text length
+    model, data = recipe.model, recipe.data.resolved(recipe.model)
+    encoder = get_encoder(model.family)
+    geometry = encoder.geometry(model.pretrained_path, model.revision)
+    geometry.check([Bucket.parse(b) for b in data.buckets])
+    encoder.text_tokens(data.max_text_tokens)  # ChronoEdit: a fixed text length
 
 
 # -------------------------------------------------------------------------------------------------------------- source
@@ -330,11 +291,11 @@ def _prefetched(fn: Callable[[SourceItem], Any], items: Iterable[SourceItem], de
             yield item, fut.result()
 
 
-def _check_fingerprint(cache: Path, settings: PrepareSettings) -> None:
+def _check_fingerprint(cache: Path, recipe: Recipe) -> None:
     path = cache / "prepare_config.json"
     if path.is_file():
         old = json.loads(path.read_text())
-        diff = {k: (old.get(k), v) for k, v in settings.fingerprint().items() if old.get(k) != v}
+        diff = {k: (old.get(k), v) for k, v in fingerprint(recipe).items() if old.get(k) != v}
         if diff:
             lines = [f"{k}: cache has {a!r}, now {b!r}" for k, (a, b) in diff.items()]
             raise PrepareError(
@@ -343,131 +304,162 @@ def _check_fingerprint(cache: Path, settings: PrepareSettings) -> None:
             )
 
 
-def prepare(
-    recipe: Recipe | None = None,
-    *,
-    settings: PrepareSettings | None = None,
-    stop_after: int | None = None,
-    log: Callable[[str], None] = print,
-) -> dict[str, Any]:
+@dataclass
+class _Run:
+    """One prepare run: the recipe (its data section resolved), the cache it fills, this process, the encoder."""
+
+    recipe: Recipe
+    data: DataConfig
+    cache: Path
+    procs: _Procs
+    encoder: Any = None
+    text_tokens: int = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.data.cache_dtype]
+
+
+def prepare(recipe: Recipe, *, stop_after: int | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Fill the cache; returns the manifest (or, when stopped by `stop_after`, a partial summary without one).
 
     `stop_after=k` encodes at most k new items on each process and returns without writing the manifest, as an
     interrupted run would (tests and smoke runs); a later run without it resumes and finishes the cache.
     """
-    settings = settings or settings_from_recipe(recipe)
     t_start = time.perf_counter()
-    check_geometry(settings)  # impossible sizes fail before anything is loaded
-    procs = _Procs.current()
-    cache = Path(settings.cache_dir)
-    _check_fingerprint(cache, settings)
-    listing = list_source(settings.source, settings.caption_column, settings.media_column, settings.split)
-    if len(listing) == 0:
-        raise PrepareError(f"{settings.source}: no items")
-    if procs.rank == 0:
-        (cache / "samples").mkdir(parents=True, exist_ok=True)
-        tmp = cache / ".prepare_config.json.tmp"
-        tmp.write_text(json.dumps(settings.fingerprint(), indent=2) + "\n")
-        os.replace(tmp, cache / "prepare_config.json")
-        (cache / "manifest.json").unlink(missing_ok=True)  # the manifest marks a complete cache
-    procs.barrier()
-
-    encoder = get_encoder(settings.family)
-    encoder.load(
-        settings.pretrained_path,
-        revision=settings.revision,
-        device=procs.device,
-        text_dtype=DTYPES[settings.text_encoder_dtype],
+    check_ready(recipe)  # missing settings and impossible sizes fail before anything is loaded
+    data = recipe.data.resolved(recipe.model)
+    run = _Run(recipe, data, Path(data.cache_dir), _Procs.current())
+    listing = _open_cache(run)
+    model = recipe.model
+    run.encoder = get_encoder(model.family)
+    run.encoder.load(
+        model.pretrained_path,
+        revision=model.revision,
+        device=run.procs.device,
+        text_dtype=DTYPES[data.text_encoder_dtype],
     )
-    text_tokens = encoder.text_tokens(settings.max_text_tokens)
+    run.text_tokens = run.encoder.text_tokens(data.max_text_tokens)
     load_seconds = time.perf_counter() - t_start
-    buckets = [Bucket.parse(b) for b in settings.buckets]
-    dtype = DTYPES[settings.cache_dtype]
-    common_meta = {"family": settings.family}
-
     with torch.inference_mode():
-        if procs.rank == 0 and not (cache / "empty_prompt.safetensors").exists():
-            empty = _cast(encoder.encode_text("", text_tokens), dtype)
-            _atomic_save(empty, cache / "empty_prompt.safetensors", {**common_meta, "caption": ""})
-
-        def load(item: SourceItem):
-            if sample_path(cache, item.index).exists():
-                return "reuse", None
-            if item.caption is None:
-                return "bad", BadMediaError("no_caption", f"{item.name}: caption ({settings.caption_column}) missing")
-            try:
-                info = probe(item.media)
-                bucket = choose_bucket(info, buckets, settings.fps)
-                clip = load_clip(item.media, bucket, settings.fps, allow_upscale=settings.allow_upscale, info=info)
-                extra = encoder.load_extra(item.media, info, bucket, settings.fps or info.fps)  # e.g. the soundtrack
-                return "ok", (bucket, clip, settings.fps or info.fps, extra)
-            except BadMediaError as e:
-                return "bad", e
-
-        my_indices = range(procs.rank, len(listing), procs.world)
-        mine = (listing[i] for i in my_indices)  # lazily: a datasets row may carry the media bytes
-        records: list[dict[str, Any]] = []
-        new = 0
-        bar = None
-        if procs.rank == 0 and settings.progress_bar:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(my_indices), desc=f"prepare {settings.family}", unit="item")
-        for item, (status, payload) in _prefetched(load, mine, settings.prefetch):
-            path = sample_path(cache, item.index)
-            if status == "reuse":
-                records.append(_reused_record(cache, item))
-            elif status == "bad":
-                records.append(
-                    {"index": item.index, "source": item.name, "reason": payload.reason, "detail": payload.detail}
-                )
-            else:
-                if stop_after is not None and new >= stop_after:
-                    break
-                bucket, clip, fps, extra = payload
-                gen = None
-                if settings.latent_sample == "sample":
-                    gen = torch.Generator(procs.device).manual_seed(item_seed(settings.seed, item.index))
-                tensors = encoder.encode_media(to_model_input(clip), gen, settings.latent_sample, fps)
-                tensors.update(encoder.encode_extra(extra, gen, settings.latent_sample, fps))
-                tensors.update(encoder.encode_text(item.caption, text_tokens))
-                meta = {
-                    **common_meta,
-                    "caption": item.caption,
-                    "source": item.name,
-                    "bucket": str(bucket),
-                    "index": str(item.index),
-                }
-                _atomic_save(_cast(tensors, dtype), path, meta)
-                new += 1
-                records.append(_ok_record(item, bucket, int(tensors["prompt_embeds"].shape[0]), reused=False))
-            if bar is not None:
-                bar.update(1)
-        if bar is not None:
-            bar.close()
-
+        records, new = _encode_items(run, listing, stop_after)
     seconds = time.perf_counter() - t_start
     if stop_after is not None:  # every process returns here, so none waits at a barrier for a stopped one
-        return {"interrupted": True, "new": new, "records": records, "seconds": seconds, "rank": procs.rank}
+        return {"interrupted": True, "new": new, "records": records, "seconds": seconds, "rank": run.procs.rank}
+    part = {"rank": run.procs.rank, "records": records, "seconds": seconds, "load_seconds": load_seconds, "new": new}
+    return _finish(run, part, len(listing), log)
 
+
+def _open_cache(run: _Run) -> _Listing:
+    """The source's items, after checking a resumed cache's settings and (rank 0) recording ours."""
+    data, cache = run.data, run.cache
+    _check_fingerprint(cache, run.recipe)
+    listing = list_source(data.source, data.caption_column, data.media_column, data.split)
+    if len(listing) == 0:
+        raise PrepareError(f"{data.source}: no items")
+    if run.procs.rank == 0:
+        (cache / "samples").mkdir(parents=True, exist_ok=True)
+        tmp = cache / ".prepare_config.json.tmp"
+        tmp.write_text(json.dumps(fingerprint(run.recipe), indent=2) + "\n")
+        os.replace(tmp, cache / "prepare_config.json")
+        (cache / "manifest.json").unlink(missing_ok=True)  # the manifest marks a complete cache
+    run.procs.barrier()
+    return listing
+
+
+def _load_item(run: _Run, buckets: list[Bucket], item: SourceItem) -> tuple[str, Any]:
+    """("reuse", None) when the sample exists, ("bad", BadMediaError), or ("ok", (bucket, clip, fps, extra))."""
+    data = run.data
+    if sample_path(run.cache, item.index).exists():
+        return "reuse", None
+    if item.caption is None:
+        return "bad", BadMediaError("no_caption", f"{item.name}: caption ({data.caption_column}) missing")
+    try:
+        info = probe(item.media)
+        bucket = choose_bucket(info, buckets, data.fps)
+        clip = load_clip(item.media, bucket, data.fps, allow_upscale=data.allow_upscale, info=info)
+        extra = run.encoder.load_extra(item.media, info, bucket, data.fps or info.fps)  # e.g. the soundtrack
+        return "ok", (bucket, clip, data.fps or info.fps, extra)
+    except BadMediaError as e:
+        return "bad", e
+
+
+def _encode_items(run: _Run, listing: _Listing, stop_after: int | None) -> tuple[list[dict[str, Any]], int]:
+    """Encode this process's items (rank r of W takes r, r + W, ...); returns their records and how many are new."""
+    family, procs = run.recipe.model.family, run.procs
+    if procs.rank == 0 and not (run.cache / "empty_prompt.safetensors").exists():
+        empty = _cast(run.encoder.encode_text("", run.text_tokens), run.dtype)
+        _atomic_save(empty, run.cache / "empty_prompt.safetensors", {"family": family, "caption": ""})
+    buckets = [Bucket.parse(b) for b in run.data.buckets]
+    my_indices = range(procs.rank, len(listing), procs.world)
+    mine = (listing[i] for i in my_indices)  # lazily: a datasets row may carry the media bytes
+    records: list[dict[str, Any]] = []
+    new = 0
+    bar = None
+    if procs.rank == 0 and run.recipe.logging.progress_bar:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(my_indices), desc=f"prepare {family}", unit="item")
+    prefetch = max(1, run.data.num_workers)
+    for item, (status, payload) in _prefetched(functools.partial(_load_item, run, buckets), mine, prefetch):
+        if status == "reuse":
+            records.append(_reused_record(run.cache, item))
+        elif status == "bad":
+            records.append(
+                {"index": item.index, "source": item.name, "reason": payload.reason, "detail": payload.detail}
+            )
+        else:
+            if stop_after is not None and new >= stop_after:
+                break
+            records.append(_encode_item(run, item, *payload))
+            new += 1
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return records, new
+
+
+def _encode_item(run: _Run, item: SourceItem, bucket: Bucket, clip: torch.Tensor, fps: float, extra: Any) -> dict:
+    """VAE + text encoder for one loaded item, written to its sample file; returns its record."""
+    encoder, sample = run.encoder, run.data.latent_sample
+    gen = None
+    if sample == "sample":
+        gen = torch.Generator(run.procs.device).manual_seed(item_seed(run.recipe.train.seed, item.index))
+    tensors = encoder.encode_media(to_model_input(clip), gen, sample, fps)
+    tensors.update(encoder.encode_extra(extra, gen, sample, fps))
+    tensors.update(encoder.encode_text(item.caption, run.text_tokens))
+    meta = {
+        "family": run.recipe.model.family,
+        "caption": item.caption,
+        "source": item.name,
+        "bucket": str(bucket),
+        "index": str(item.index),
+    }
+    _atomic_save(_cast(tensors, run.dtype), sample_path(run.cache, item.index), meta)
+    return _ok_record(item, bucket, int(tensors["prompt_embeds"].shape[0]), reused=False)
+
+
+def _finish(run: _Run, part: dict[str, Any], total: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """Gather every process's records into the manifest (rank 0 writes it); fail when too many items are bad."""
+    procs, cache = run.procs, run.cache
     parts = cache / ".prepare"
     parts.mkdir(exist_ok=True)
-    part = {"rank": procs.rank, "records": records, "seconds": seconds, "load_seconds": load_seconds, "new": new}
     (parts / f"rank{procs.rank}-of-{procs.world}.json").write_text(json.dumps(part))
     procs.barrier()
     all_parts = [json.loads((parts / f"rank{r}-of-{procs.world}.json").read_text()) for r in range(procs.world)]
-    manifest = _manifest(settings, cache, all_parts, len(listing), procs.world, text_tokens)
+    manifest = _manifest(run.recipe, cache, all_parts, total, procs.world, run.text_tokens)
     if procs.rank == 0:
         tmp = cache / ".manifest.json.tmp"
         tmp.write_text(json.dumps(manifest, indent=1) + "\n")
         os.replace(tmp, cache / "manifest.json")
         log(summary(manifest, cache))
     procs.barrier()
-    counts = manifest["counts"]
-    if counts["bad"] > settings.max_bad_fraction * counts["total"]:
+    counts, max_bad = manifest["counts"], run.data.max_bad_fraction
+    if counts["bad"] > max_bad * counts["total"]:
         raise PrepareError(
             f"{counts['bad']} of {counts['total']} items are bad ({_reasons(counts['bad_by_reason'])}), more than "
-            f"data.max_bad_fraction = {settings.max_bad_fraction}; see 'bad' in {cache / 'manifest.json'}"
+            f"data.max_bad_fraction = {max_bad}; see 'bad' in {cache / 'manifest.json'}"
         )
     return manifest
 
@@ -504,7 +496,7 @@ def _tensor_info(path: Path) -> dict[str, dict[str, Any]]:
 
 
 def _manifest(
-    settings: PrepareSettings, cache: Path, parts: Sequence[dict], total: int, world: int, text_tokens: int
+    recipe: Recipe, cache: Path, parts: Sequence[dict], total: int, world: int, text_tokens: int
 ) -> dict[str, Any]:
     records = sorted((r for p in parts for r in p["records"]), key=lambda r: r["index"])
     ok = [r for r in records if "reason" not in r]
@@ -520,9 +512,9 @@ def _manifest(
     return {
         "format": CACHE_FORMAT,
         "version": CACHE_VERSION,
-        "family": settings.family,
-        "pretrained_path": settings.pretrained_path,
-        "settings": settings.fingerprint(),
+        "family": recipe.model.family,
+        "pretrained_path": recipe.model.pretrained_path,
+        "settings": fingerprint(recipe),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "counts": {
             "total": total,

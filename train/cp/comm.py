@@ -1,7 +1,9 @@
 """Collectives used by CP attention, behind one small transport object that also counts what it sends.
 
-Every collective issued by our Ulysses path goes through `get_transport()`, so a benchmark (or a test) can read how
+Every collective our Ulysses path issues goes through the transport of the model's CP state (`state.transport`, one
+per `enable_context_parallel` call; state.py), so a benchmark (or a test) can read from `state.transport.stats` how
 many collectives each call site issued and how many bytes left the rank, and a faster transport can be swapped in.
+Nothing here is per process: two models never share a transport unless their caller hands one to both.
 """
 
 from __future__ import annotations
@@ -128,23 +130,9 @@ class SymmMemTransport(TorchTransport):
         self.inp = self.out = self.splits = self.offsets = None
 
 
-_STATS = CommStats()
-_DEFAULT = TorchTransport(_STATS)
-_BY_GROUP: dict[str, TorchTransport] = {}
-_NOTED: set[str] = set()
-
-
-def get_transport(group: dist.ProcessGroup | None = None) -> TorchTransport:
-    """The transport selected for `group` (plain torch unless `select_transport` installed another)."""
-    if group is not None and _BY_GROUP:
-        return _BY_GROUP.get(group.group_name, _DEFAULT)
-    return _DEFAULT
-
-
 def _note(reason: str) -> None:
-    if reason not in _NOTED:  # logged once per reason
-        _NOTED.add(reason)
-        print(f"[ctxtrain] CP transport: {reason}", flush=True)
+    """Said once per `select_transport` call, i.e. once per model CP is enabled on."""
+    print(f"[ctxtrain] CP transport: {reason}", flush=True)
 
 
 def _self_test(transport: TorchTransport, group: dist.ProcessGroup, device: torch.device) -> bool:
@@ -161,39 +149,34 @@ def _self_test(transport: TorchTransport, group: dist.ProcessGroup, device: torc
 def select_transport(
     kind: str, group: dist.ProcessGroup, device: torch.device, capacity_bytes: int = 256 << 20
 ) -> TorchTransport:
-    """Choose the all-to-all transport for one CP group; falls back to plain torch with the reason logged once.
+    """A new all-to-all transport for one CP group, with its own `CommStats`; plain torch with the reason said when
+    the fast path cannot serve the group.
 
     "torch": always. "symm_mem": intra-node CUDA groups where torch has NVSHMEM, after a self-test; else torch.
     Every rank of the group must call this together (it may run collectives on the group, never on WORLD).
     """
     if kind not in ("torch", "symm_mem"):
         raise ValueError(f"unknown CP transport {kind!r}; use 'torch' or 'symm_mem'")
-    transport: TorchTransport = _DEFAULT
-    if kind == "symm_mem":
-        reason = _symm_mem_unavailable(group, device)
-        if reason is None:
-            try:
-                candidate = SymmMemTransport(group, device, capacity_bytes, _STATS)
-                ok = _self_test(candidate, group, device)
-            except Exception as e:  # init failure: fall back, but only if every rank agrees (below)
-                candidate, ok = None, False
-                _note(f"symm_mem init failed on this rank ({type(e).__name__}: {e})")
-            flag = torch.tensor([1 if ok else 0], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)  # one decision for the whole group
-            if flag.item() == 1:
-                transport = candidate
-            else:
-                if candidate is not None:
-                    candidate.close()
-                reason = "symm_mem self-test or init failed on some rank of the group"
-        if transport is _DEFAULT:
-            _note(f"symm_mem requested, using torch all_to_all_single: {reason}")
-    old = _BY_GROUP.pop(group.group_name, None)
-    if old is not None and old is not transport:
-        old.close()
-    if transport is not _DEFAULT:
-        _BY_GROUP[group.group_name] = transport
-    return transport
+    stats = CommStats()
+    if kind == "torch":
+        return TorchTransport(stats)
+    reason = _symm_mem_unavailable(group, device)
+    if reason is None:
+        try:
+            candidate = SymmMemTransport(group, device, capacity_bytes, stats)
+            ok = _self_test(candidate, group, device)
+        except Exception as e:  # init failure: fall back, but only if every rank agrees (below)
+            candidate, ok = None, False
+            _note(f"symm_mem init failed on this rank ({type(e).__name__}: {e})")
+        flag = torch.tensor([1 if ok else 0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)  # one decision for the whole group
+        if flag.item() == 1:
+            return candidate
+        if candidate is not None:
+            candidate.close()
+        reason = "symm_mem self-test or init failed on some rank of the group"
+    _note(f"symm_mem requested, using torch all_to_all_single: {reason}")
+    return TorchTransport(stats)
 
 
 def _symm_mem_unavailable(group: dist.ProcessGroup, device: torch.device) -> str | None:
@@ -214,13 +197,17 @@ def _symm_mem_unavailable(group: dist.ProcessGroup, device: torch.device) -> str
     return None
 
 
-def exchange_ints(values: list[int], device: torch.device, group: dist.ProcessGroup, site: str) -> list[list[int]]:
+def exchange_ints(
+    values: list[int], device: torch.device, group: dist.ProcessGroup, site: str, transport: TorchTransport
+) -> list[list[int]]:
     """All-gather a few ints from every rank: returns one list per rank, identical on all ranks."""
     t = torch.tensor(values, dtype=torch.int64, device=device)
-    return get_transport(group).all_gather(t, group, site).tolist()
+    return transport.all_gather(t, group, site).tolist()
 
 
-def all_gather_uneven(x: torch.Tensor, dim: int, sizes: list[int], group: dist.ProcessGroup, site: str) -> torch.Tensor:
+def all_gather_uneven(
+    x: torch.Tensor, dim: int, sizes: list[int], group: dist.ProcessGroup, site: str, transport: TorchTransport
+) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim`, where rank i holds `sizes[i]` entries of that dim.
 
     gloo's all_gather rejects tensors of different sizes, so pad each shard to the largest, gather, then trim EACH
@@ -235,6 +222,6 @@ def all_gather_uneven(x: torch.Tensor, dim: int, sizes: list[int], group: dist.P
         pad_shape = list(x.shape)
         pad_shape[dim] = pad
         x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
-    gathered = get_transport(group).all_gather(x, group, site)  # (world, ..., max, ...)
+    gathered = transport.all_gather(x, group, site)  # (world, ..., max, ...)
     out = torch.cat([gathered[i].narrow(dim, 0, n) for i, n in enumerate(sizes)], dim=dim)
     return out.bool() if is_bool else out

@@ -1,9 +1,10 @@
 """Turn on trainable Ulysses-Anything context parallelism on a diffusers model, on any device type (CPU included).
 
 `ModelMixin.enable_parallelism` cannot be used on CPU (it computes `rank % torch.accelerator.device_count()`, which
-divides by zero without an accelerator), so the diffusers ParallelConfig is set up here directly, on a given
-("ring", "ulysses") mesh that may be a sub-mesh of a larger one (so CP composes with FSDP), and the plan's hooks are
-registered with diffusers' own `apply_context_parallel`.
+divides by zero without an accelerator), so the model's CP state (state.py: a diffusers `ParallelConfig` that also
+holds the plan, the model's layout registry and transport) is set up here directly, on a given ("ring", "ulysses")
+mesh that may be a sub-mesh of a larger one (so CP composes with FSDP). The plan's hooks are diffusers' own split and
+gather hooks, subclassed to record each split in, and gather through, that model's state.
 """
 
 from __future__ import annotations
@@ -16,10 +17,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from diffusers.hooks.context_parallel import (
+    _CONTEXT_PARALLEL_INPUT_HOOK_TEMPLATE,
+    _CONTEXT_PARALLEL_OUTPUT_HOOK_TEMPLATE,
+    ContextParallelGatherHook,
+    ContextParallelSplitHook,
+    _get_submodule_by_name,
+)
+from diffusers.hooks.hooks import HookRegistry
+from diffusers.models._modeling_parallel import ContextParallelOutput
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .comm import select_transport
-from .layout import REGISTRY, checkpoint_with_layout
+from .comm import TorchTransport
 from .plans import (
     CPPlanSpec,
     load_plan_file,
@@ -28,23 +37,10 @@ from .plans import (
     training_problems,
     validate_plan,
 )
-from .ulysses import install_ulysses_anything_backward
+from .state import ContextParallelState, cp_device_type
+from .ulysses import GatherAnything, install_ulysses_anything_backward
 
-__all__ = ["enable_context_parallel", "cp_device_type"]
-
-
-def cp_device_type() -> str:
-    """The device type collectives run on: the accelerator when torch has one with devices, else CPU."""
-    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    return acc.type if acc is not None and torch.accelerator.device_count() > 0 else "cpu"
-
-
-def _local_device(device_type: str) -> torch.device:
-    if device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(
-        device_type, int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.accelerator.device_count()))
-    )
+__all__ = ["ContextParallelState", "enable_context_parallel", "cp_device_type"]
 
 
 def _resolve_mesh(mesh: DeviceMesh | None, degree: int | None) -> DeviceMesh:
@@ -76,96 +72,17 @@ def _resolve_plan(model: torch.nn.Module, plan: CPPlanSpec | str | os.PathLike |
     if isinstance(plan, CPPlanSpec):
         return plan
     if isinstance(plan, dict):  # a diffusers-format plan, e.g. a model's own `_cp_plan`
-        return CPPlanSpec(type(model).__name__, True, None, (), plan, Path("<dict>"))
+        return CPPlanSpec(model_class=type(model).__name__, training_supported=True, reason=None,
+                          per_head_mask_inputs=(), plan=plan, path=Path("<dict>"))  # fmt: skip
     return load_plan_file(Path(plan))
 
 
-_ENABLED_MODELS = 0
-
-
-def _install_guards(model: torch.nn.Module, spec: CPPlanSpec, problems: list[str]) -> None:
-    """A forward pre-hook: runs before diffusers' CP hooks, so it refuses a training forward before any collective."""
-    mask_args = spec.per_head_mask_inputs
-    # Layout verdicts are per model. A serial number, not id(): every rank enables the same models in the same
-    # order, so the numbers agree, while a recycled id() could hit on one rank and miss on another.
-    global _ENABLED_MODELS
-    _ENABLED_MODELS += 1
-    scope = f"{type(model).__name__}#{_ENABLED_MODELS}"
-
-    names = list(inspect.signature(type(model).forward).parameters)[1:]  # forward()'s arguments, without self
-
-    def guard(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        REGISTRY.reset(spec.layout_registry, scope)  # a new forward: the split hooks record its partitions afresh
-        if not torch.is_grad_enabled() or not any(p.requires_grad for p in module.parameters()):
-            return  # inference and grad-free forwards stay allowed
-        bound = {**dict(zip(names, args)), **kwargs}  # a mask passed by position counts too
-        fed = [name for name in mask_args if bound.get(name) is not None]
-        if fed:
-            raise ValueError(
-                f"{type(module).__name__}'s attention processors turn {fed} into per-head (B, heads, 1, S) masks, "
-                "which Ulysses cannot shard across ranks. Train without the text mask: pass "
-                + ", ".join(f"{n}=None" for n in fed)
-            )
-        if problems:
-            raise ValueError(
-                f"{type(module).__name__} cannot be trained under context parallelism with plan {spec.path}: "
-                + "; ".join(problems)
-            )
-
-    model.register_forward_pre_hook(guard, with_kwargs=True)
-
-
-def _checkpoint_with_layout_by_default(model: torch.nn.Module) -> None:
-    """`model.enable_gradient_checkpointing()` (no function given) now uses `checkpoint_with_layout`, whose recompute
-    sees the layout registry of its own forward (layout.py); any other function stays correct, exchanging sizes."""
-    enable = model.enable_gradient_checkpointing
-
-    @functools.wraps(enable)
-    def enable_gradient_checkpointing(gradient_checkpointing_func=None) -> None:
-        enable(gradient_checkpointing_func or checkpoint_with_layout)
-
-    model.enable_gradient_checkpointing = enable_gradient_checkpointing
-
-
-def enable_context_parallel(
-    model: torch.nn.Module,
-    *,
-    mesh: DeviceMesh | None = None,
-    degree: int | None = None,
-    plan: CPPlanSpec | str | os.PathLike | dict | None = None,
-    for_training: bool | None = None,
-    transport: str = "torch",
-):
-    """Enable trainable Ulysses-Anything CP on a diffusers `ModelMixin`; returns its diffusers `ParallelConfig`.
-
-    Args:
-        model: a diffusers transformer. Call this before activation checkpointing, compile and FSDP wrapping.
-        mesh: a DeviceMesh with dims ("ring", "ulysses"), ring of size 1; may be a sub-mesh of a larger mesh.
-            Default: a new mesh whose CP groups are `degree` consecutive ranks.
-        degree: CP degree when no mesh is given (default: the world size).
-        plan: a plan file path, a loaded `CPPlanSpec`, or a diffusers-format dict (default: the shipped plan for the
-            model's class in `cp_plans/`). The plan is validated against the model.
-        for_training: True → refuse now if the plan cannot train correctly; None (default) → refuse the first
-            forward that would compute gradients; False → no training guard (inference only).
-        transport: "torch" (all_to_all_single, everywhere) or "symm_mem" (intra-node CUDA symmetric memory after a
-            self-test, else torch with the reason logged once); set up on the CP subgroup only.
-    """
-    from diffusers.hooks.context_parallel import apply_context_parallel
-    from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
+def _cp_processors(model: torch.nn.Module, spec: CPPlanSpec) -> list[Any]:
+    """The attention processors that attend through Ulysses: every processor, less the plan's `local_attention` ones.
+    Refuses a backend without a CP path, and a local processor shared with a CP module."""
     from diffusers.models.attention import AttentionModuleMixin
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
     from diffusers.models.attention_processor import Attention
-
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("torch.distributed must be initialised before enable_context_parallel")
-    if getattr(model, "_parallel_config", None) is not None:
-        raise RuntimeError(f"parallelism is already enabled on this {type(model).__name__}")
-
-    spec = _resolve_plan(model, plan)
-    validate_plan(spec, model)
-    problems = training_problems(spec, model)
-    if for_training and problems:
-        raise ValueError(f"{type(model).__name__} cannot be trained under context parallelism: " + "; ".join(problems))
 
     # Processors must use a backend that has a CP path (on CPU that is "native").
     processors = [m.processor for m in model.modules() if isinstance(m, (Attention, AttentionModuleMixin))]
@@ -191,23 +108,151 @@ def enable_context_parallel(
             "CP, per the plan's local_attention) are shared with other attention modules; give those modules their "
             "own processor instances (e.g. set_attn_processor with a dict, or the default processors)"
         )
+    return [p for p in processors if p is not None and hasattr(p, "_parallel_config") and id(p) not in local]
+
+
+def _install_guard(model: torch.nn.Module, state: ContextParallelState, enforce: bool) -> None:
+    """A forward pre-hook: runs before the CP hooks, so it refuses a training forward before any collective. It also
+    starts the model's layout registry afresh for each forward (the split hooks then record its partitions)."""
+    spec, layout = state.plan, state.layout
+    problems = list(state.problems) if enforce else []
+    names = list(inspect.signature(type(model).forward).parameters)[1:]  # forward()'s arguments, without self
+
+    def guard(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        layout.reset(spec.layout_registry)
+        if not torch.is_grad_enabled() or not any(p.requires_grad for p in module.parameters()):
+            return  # inference and grad-free forwards stay allowed
+        bound = {**dict(zip(names, args)), **kwargs}  # a mask passed by position counts too
+        fed = [name for name in spec.per_head_mask_inputs if bound.get(name) is not None]
+        if fed:
+            raise ValueError(
+                f"{type(module).__name__}'s attention processors turn {fed} into per-head (B, heads, 1, S) masks, "
+                "which Ulysses cannot shard across ranks. Train without the text mask: pass "
+                + ", ".join(f"{n}=None" for n in fed)
+            )
+        if problems:
+            raise ValueError(
+                f"{type(module).__name__} cannot be trained under context parallelism with plan {spec.path}: "
+                + "; ".join(problems)
+            )
+
+    model.register_forward_pre_hook(guard, with_kwargs=True)
+
+
+def _checkpoint_with_layout_by_default(model: torch.nn.Module, state: ContextParallelState) -> None:
+    """`model.enable_gradient_checkpointing()` (no function given) now uses the model's `layout.checkpoint`, whose
+    recompute sees the layout registry of its own forward (layout.py); any other function stays correct, exchanging
+    sizes."""
+    enable = model.enable_gradient_checkpointing
+
+    @functools.wraps(enable)
+    def enable_gradient_checkpointing(gradient_checkpointing_func=None) -> None:
+        enable(gradient_checkpointing_func or state.layout.checkpoint)
+
+    model.enable_gradient_checkpointing = enable_gradient_checkpointing
+
+
+class _SplitHook(ContextParallelSplitHook):
+    """diffusers' split hook that also records each split it makes in the model's layout registry: a tensor of global
+    length L split over W ranks has per-rank sizes `tensor_split(L, W)`, the same on every rank."""
+
+    def __init__(self, metadata, state: ContextParallelState) -> None:
+        super().__init__(metadata, state.context_parallel_config)
+        self.layout = state.layout
+
+    def _prepare_cp_input(self, x: torch.Tensor, cp_input) -> torch.Tensor:
+        if cp_input.expected_dims is None or x.dim() == cp_input.expected_dims:  # else diffusers leaves x whole
+            self.layout.record(x.size(cp_input.split_dim), self.parallel_config._flattened_mesh.size())
+        return super()._prepare_cp_input(x, cp_input)
+
+
+class _GatherHook(ContextParallelGatherHook):
+    """diffusers' gather hook, gathering uneven shards through the model's state: shard sizes from its layout
+    registry (no size exchange when the registry identifies them), bytes counted by its transport."""
+
+    def __init__(self, metadata, state: ContextParallelState) -> None:
+        super().__init__(metadata, state.context_parallel_config)
+        self.layout, self.transport = state.layout, state.transport
+
+    def post_forward(self, module: torch.nn.Module, output):
+        is_tensor = isinstance(output, torch.Tensor)
+        outputs = [output] if is_tensor else list(output)
+        if not all(isinstance(x, torch.Tensor) for x in outputs) or len(outputs) != len(self.metadata):
+            raise ValueError(f"expected {len(self.metadata)} output tensor(s) to gather, got {type(output)}")
+        group = self.parallel_config._flattened_mesh.get_group()
+        for i, cpm in enumerate(self.metadata):
+            if cpm is not None:
+                outputs[i] = GatherAnything.apply(outputs[i], cpm.gather_dim, group, self.layout, self.transport)
+        return outputs[0] if is_tensor else tuple(outputs)
+
+
+def _apply_hooks(model: torch.nn.Module, state: ContextParallelState, plan: dict) -> None:
+    """diffusers' `apply_context_parallel`, with the hooks above (same hook names, so `remove_context_parallel`
+    still removes them)."""
+    for module_id, entry in plan.items():
+        found = _get_submodule_by_name(model, module_id)
+        for m in found if isinstance(found, list) else [found]:
+            if isinstance(entry, dict):
+                hook, name = _SplitHook(entry, state), _CONTEXT_PARALLEL_INPUT_HOOK_TEMPLATE.format(module_id)
+            else:
+                gathers = [entry] if isinstance(entry, ContextParallelOutput) else list(entry)
+                assert all(isinstance(g, ContextParallelOutput) for g in gathers), entry  # validate_plan checked
+                hook, name = _GatherHook(gathers, state), _CONTEXT_PARALLEL_OUTPUT_HOOK_TEMPLATE.format(module_id)
+            HookRegistry.check_if_exists_or_initialize(m).register_hook(hook, name)
+
+
+def enable_context_parallel(
+    model: torch.nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    degree: int | None = None,
+    plan: CPPlanSpec | str | os.PathLike | dict | None = None,
+    for_training: bool | None = None,
+    transport: str | TorchTransport = "torch",
+) -> ContextParallelState:
+    """Enable trainable Ulysses-Anything CP on a diffusers `ModelMixin`; returns the model's `ContextParallelState`.
+
+    The state is a diffusers `ParallelConfig` (also set as `model._parallel_config`, so `GradReduction.for_model`
+    and diffusers read it as theirs) holding everything CP keeps for this model: `.plan`, `.layout` (its layout
+    registry), `.transport` (and `.stats`), `.problems`, `.scope`.
+
+    Args:
+        model: a diffusers transformer. Call this before activation checkpointing, compile and FSDP wrapping.
+        mesh: a DeviceMesh with dims ("ring", "ulysses"), ring of size 1; may be a sub-mesh of a larger mesh.
+            Default: a new mesh whose CP groups are `degree` consecutive ranks.
+        degree: CP degree when no mesh is given (default: the world size).
+        plan: a plan file path, a loaded `CPPlanSpec`, or a diffusers-format dict (default: the shipped plan for the
+            model's class in `cp_plans/`). The plan is validated against the model.
+        for_training: True → refuse now if the plan cannot train correctly; None (default) → refuse the first
+            forward that would compute gradients; False → no training guard (inference only).
+        transport: "torch" (all_to_all_single, everywhere) or "symm_mem" (intra-node CUDA symmetric memory after a
+            self-test, else torch with the reason said once); set up on the CP subgroup only. Or another model's
+            `state.transport`, to share one symmetric-memory buffer (and its stats) between two models.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed must be initialised before enable_context_parallel")
+    if getattr(model, "_parallel_config", None) is not None:  # diffusers' attribute, None until parallelism is on
+        raise RuntimeError(f"parallelism is already enabled on this {type(model).__name__}")
+
+    spec = _resolve_plan(model, plan)
+    validate_plan(spec, model)
+    problems = training_problems(spec, model)
+    if for_training and problems:
+        raise ValueError(f"{type(model).__name__} cannot be trained under context parallelism: " + "; ".join(problems))
+    processors = _cp_processors(model, spec)
 
     install_ulysses_anything_backward()
     mesh = _resolve_mesh(mesh, degree)
-    degree = mesh["ulysses"].size()
-    if degree < 2:
+    if mesh["ulysses"].size() < 2:
         raise ValueError("a CP degree of 1 needs no context parallelism; do not call enable_context_parallel")
-    cp_config = ContextParallelConfig(ring_degree=1, ulysses_degree=degree, ulysses_anything=True, mesh=mesh)
-    config = ParallelConfig(context_parallel_config=cp_config)
-    device = _local_device(mesh.device_type)
-    config.setup(dist.get_rank(), dist.get_world_size(), device, mesh=mesh)
-    select_transport(transport, mesh["ulysses"].get_group(), device)
-    model._parallel_config = config
+    state = ContextParallelState.on_mesh(mesh, transport=transport, plan=spec, problems=tuple(problems),
+                                         scope=type(model).__name__)  # fmt: skip
+    # diffusers' own attributes: its attention dispatch hands a processor's `_parallel_config` to the Ulysses
+    # function, which reads the model's registry and transport from it.
+    model._parallel_config = state
     for proc in processors:
-        if proc is not None and hasattr(proc, "_parallel_config") and id(proc) not in local:
-            proc._parallel_config = config
-    _install_guards(model, spec, problems if for_training is not False else [])
-    _checkpoint_with_layout_by_default(model)
-    apply_context_parallel(model, cp_config, spec.diffusers_plan(model))
-    model._cp_plan_spec = spec  # for reporting (which plan file is active)
-    return config
+        proc._parallel_config = state
+    _install_guard(model, state, enforce=for_training is not False)
+    _checkpoint_with_layout_by_default(model, state)
+    _apply_hooks(model, state, spec.diffusers_plan(model))
+    return state

@@ -19,12 +19,16 @@ Decision, the same on every rank (no collective needed to agree):
   rank knows the same per-rank UPPER BOUNDS: the attention pads its all-to-all chunks to them and carries each rank's
   true lengths in-band (ulysses.py), still without a collective of its own. A caller that cannot pad (the output
   gather, a call with a mask) exchanges sizes once instead; that table is remembered under the call's position in the
-  forward (model, recorded partitions, call number, site: identical on all ranks), so later forwards need none.
+  forward (recorded partitions, call number, site: identical on all ranks), so later forwards need none.
+
+Every model CP is enabled on has its own registry (`state.layout` of the state `enable_context_parallel` returns):
+its own splits, call numbering and memos, so two models in one process (a transformer and a second expert) never see
+each other's splits or remembered tables, whatever order their forwards and backwards interleave in.
 
 Activation checkpointing recomputes blocks inside the backward, possibly after other forwards changed the registry.
-`checkpoint_with_layout` (what `enable_gradient_checkpointing` uses once CP is enabled) restores, for the recompute,
-the registry as the original forward saw it: same splits, same call numbers, so again no collective. A recompute
-without that (another checkpoint function) exchanges sizes in every call: slower, but the same on every rank.
+`LayoutRegistry.checkpoint` (what `enable_gradient_checkpointing` uses once CP is enabled) restores, for the
+recompute, the registry as the original forward saw it: same splits, same call numbers, so again no collective. A
+recompute without that (another checkpoint function) exchanges sizes in every call: slower, but the same on every rank.
 
 A rank whose length matches no candidate has met a plan whose assertion is wrong; it raises. `verify` mode (env
 `CTXTRAIN_CP_VERIFY_LAYOUT=1`; the model tests use it for every shipped plan) exchanges in every call and checks, from
@@ -42,7 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
-from .comm import exchange_ints
+from .comm import TorchTransport, exchange_ints
 
 Table = tuple[tuple[int, ...], ...]  # one column per value, one entry per rank
 
@@ -57,12 +61,14 @@ class LayoutError(RuntimeError):
 
 
 class LayoutRegistry:
+    """One model's registry (see the module docstring). `scope` names the model in error messages."""
+
     MAX_MEMO = 100_000
 
-    def __init__(self) -> None:
+    def __init__(self, scope: str = "") -> None:
         self.enabled = False  # set per forward from the plan's `layout_registry`; off: always exchange
         self.verify = os.environ.get("CTXTRAIN_CP_VERIFY_LAYOUT", "0") == "1"
-        self.scope = ""  # which model's forward this is: memos are per model
+        self.scope = scope
         self.partitions: list[tuple[int, ...]] = []
         self.calls = 0
         self.exchanges = 0  # size exchanges actually issued (for tests and benchmarks)
@@ -71,9 +77,9 @@ class LayoutRegistry:
         self._decided: dict[tuple, tuple[str, Table | None]] = {}
         self.replaying = 0  # > 0 inside a checkpoint recompute that restored the forward's registry
 
-    def reset(self, enabled: bool, scope: str = "") -> None:
+    def reset(self, enabled: bool) -> None:
         """Start of a model forward: partitions and call numbering start afresh (memos are kept)."""
-        self.enabled, self.scope, self.partitions, self.calls = enabled, scope, [], 0
+        self.enabled, self.partitions, self.calls = enabled, [], 0
 
     def record(self, length: int, world: int) -> None:
         sizes = tuple(split_sizes(length, world))
@@ -83,11 +89,17 @@ class LayoutRegistry:
     # -- activation checkpointing -----------------------------------------------------------------------------------
 
     def snapshot(self) -> tuple:
-        return self.enabled, self.scope, tuple(self.partitions), self.calls
+        return self.enabled, tuple(self.partitions), self.calls
 
     def restore(self, snap: tuple) -> None:
-        self.enabled, self.scope, partitions, self.calls = snap
+        self.enabled, partitions, self.calls = snap
         self.partitions = list(partitions)
+
+    def checkpoint(self, module: torch.nn.Module, *args):
+        """A diffusers `gradient_checkpointing_func`: non-reentrant checkpoint whose recompute replays this registry."""
+        return torch.utils.checkpoint.checkpoint(
+            module.__call__, *args, use_reentrant=False, context_fn=self.checkpoint_contexts
+        )
 
     def checkpoint_contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         """`context_fn` for `torch.utils.checkpoint` (non-reentrant): called when the block first runs; its second
@@ -188,10 +200,11 @@ class LayoutRegistry:
         device: torch.device,
         group: dist.ProcessGroup,
         site: str,
+        transport: TorchTransport,
         ties: tuple[int | None, ...] | None = None,
     ) -> list[list[int]]:
         """`values` of every rank (one row per rank), with a size exchange only when the layout is not identified."""
-        rows, exact = self.resolve(values, device, group, site, ties, bounds_ok=False)
+        rows, exact = self.resolve(values, device, group, site, transport, ties, bounds_ok=False)
         assert exact
         return rows
 
@@ -201,31 +214,34 @@ class LayoutRegistry:
         device: torch.device,
         group: dist.ProcessGroup,
         site: str,
+        transport: TorchTransport,
         ties: tuple[int | None, ...] | None = None,
         bounds_ok: bool = False,
     ) -> tuple[list[list[int]], bool]:
         """(rows, exact): every rank's `values` (one row per rank) when `exact`; else, only with `bounds_ok`, per-rank
         upper bounds, the same on every rank, and the caller carries the true values in-band (ulysses.py pads its
         all-to-all to the bounds and sends each rank's row along). A size exchange only when the layout is not
-        identified and bounds will not do."""
+        identified and bounds will not do. Exchanges go through `transport` (the model's: its stats count them)."""
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         ties = ties or (None,) * len(values)
         state = tuple(self.partitions)
-        position = (self.scope, state, self.calls, site, ties)
+        call = self.calls
+        position = (state, call, site, ties)
         self.calls += 1
         # A recompute in the backward that did not restore its forward's registry (see the module docstring): the
         # splits recorded now may belong to another forward. Every rank is in the same backward: all exchange.
         unrestored = not self.replaying and torch._C._current_graph_task_id() != -1
+        exchange = lambda: self._exchange(values, device, group, site, transport)  # noqa: E731
         if not self.enabled or unrestored:
-            return self._exchange(values, device, group, site), True
+            return exchange(), True
         if self.verify:
-            rows = self._exchange(values, device, group, site)
+            rows = exchange()
             self._check(rows, state, world, ties, site)
             return rows, True
         verdict, table = self.decide(state, world, ties, rank, tuple(values))
         if verdict == "unexplained":
             raise LayoutError(
-                f"CP layout registry: local lengths {values} at '{site}' (attention call {position[2]} of "
+                f"CP layout registry: local lengths {values} at '{site}' (attention call {call} of "
                 f"{self.scope}) match no split recorded by the plan's hooks {list(state)}. The plan's "
                 "`layout_registry: true` is wrong for this model: set it to false (sizes are then exchanged in every "
                 "call), or run once with CTXTRAIN_CP_VERIFY_LAYOUT=1 to see the failing call on every rank."
@@ -239,15 +255,15 @@ class LayoutRegistry:
         if rows is not None:
             assert rows[rank] == list(values), "same model, same splits, same call: layouts must repeat"
             return rows, True
-        rows = self._exchange(values, device, group, site)
+        rows = exchange()
         if len(self.memo) >= self.MAX_MEMO:
             self.memo.clear()
         self.memo[position] = rows
         return rows, True
 
-    def _exchange(self, values, device, group, site) -> list[list[int]]:
+    def _exchange(self, values, device, group, site, transport) -> list[list[int]]:
         self.exchanges += 1
-        return exchange_ints(values, device, group, site)
+        return exchange_ints(values, device, group, site, transport)
 
     def _check(self, rows: list[list[int]], state: tuple, world: int, ties: tuple, site: str) -> None:
         """Verify mode: what every rank would have decided, computed from exchanged rows (so raised on all ranks)."""
@@ -269,13 +285,3 @@ class LayoutRegistry:
                 "model builds an attention sequence the plan's splits do not explain: set `layout_registry: false` "
                 "in its plan."
             )
-
-
-REGISTRY = LayoutRegistry()
-
-
-def checkpoint_with_layout(module: torch.nn.Module, *args):
-    """A diffusers `gradient_checkpointing_func`: non-reentrant checkpoint, recompute replays the layout registry."""
-    return torch.utils.checkpoint.checkpoint(
-        module.__call__, *args, use_reentrant=False, context_fn=REGISTRY.checkpoint_contexts
-    )

@@ -23,8 +23,9 @@ touching model code:
         gather: {dim: 1, expected_dims: 3}   # one spec, or a list with one spec per output of the module
 
 `dim` is the split/gather dimension; `expected_dims` (optional, null = unchecked) is the rank the tensor must have,
-else diffusers leaves it unsplit (with a warning). Loading is strict: unknown keys, wrong types and duplicate keys are
-errors that name the file and the dotted key path.
+else diffusers leaves it unsplit (with a warning). The file's schema is `PlanFile` below, checked by the engine that
+checks recipes (train/schema.py): unknown keys, wrong types and duplicate keys are errors, all reported together as
+`<file>: <dotted.key>: <problem>` (a PlanError, a ValueError).
 
 A wildcard path may both split and gather (Helios does this around attn1/attn2/ffn). A diffusers plan holds one value
 per key, so the gathers of such paths live in `CPPlanSpec.extra_gathers`, and `CPPlanSpec.diffusers_plan(model)`
@@ -37,15 +38,20 @@ import inspect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
 import yaml
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+from pydantic import AfterValidator, BeforeValidator, Discriminator, Field, Tag, model_validator
+
+from train.schema import SchemaError, Section, load_yaml, report, validate
 
 __all__ = [
     "PLAN_DIR",
     "CPPlanSpec",
+    "PlanError",
+    "PlanFile",
     "ResolvedEntry",
     "load_plan_file",
     "load_plans",
@@ -61,13 +67,6 @@ SplitValue = ContextParallelInput | list[ContextParallelInput] | tuple[ContextPa
 SplitPlan = dict[str | int, SplitValue]
 GatherPlan = ContextParallelOutput | list[ContextParallelOutput] | tuple[ContextParallelOutput, ...]
 DiffusersPlan = dict[str, SplitPlan | GatherPlan]
-
-_TOP_KEYS = (
-    "model_class", "training", "reason", "per_head_mask_inputs", "layout_registry", "local_attention", "plan"
-)  # fmt: skip
-_ENTRY_KEYS = ("split_inputs", "split_outputs", "gather")
-_SPEC_KEYS = ("dim", "expected_dims")
-_TRAINING_VALUES = ("supported", "unsupported")
 
 
 @dataclass(frozen=True)
@@ -118,25 +117,167 @@ class ResolvedEntry:
 
 
 # ----------------------------------------------------------------------------------------------------------- loading
+# The plan file's schema, checked by the engine recipes use (train/schema.py): strict types, unknown keys named with
+# the closest valid one, every problem reported as `<file>: <dotted.key>: <problem>`.
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate mapping keys (PyYAML silently keeps the last one, hiding a plan entry)."""
+class PlanError(SchemaError):
+    """Invalid plan file; `errors` holds one `<file>: <dotted.key>: <problem>` line per problem."""
+
+    what = "the plan file"
 
 
-def _construct_unique_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        if not isinstance(key, (str, int, float, bool, type(None))):
-            continue  # a complex key: construct_mapping below reports it if it is unhashable
-        if key in seen:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-        seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
+def _identifier(what: str) -> Any:
+    def check(name: str) -> str:
+        if not name.isidentifier():
+            raise ValueError(f"expected {what}, got {name!r}")
+        return name
+
+    return AfterValidator(check)
 
 
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+def _module_path(path: str) -> str:
+    if path.count("*") > 1:
+        raise ValueError("at most one '*' wildcard per module path (a diffusers limit)")
+    if path and any(atom == "" or ("*" in atom and atom != "*") for atom in path.split(".")):
+        raise ValueError("malformed module path; use dotted attribute names, '*' as a whole segment")
+    return path
+
+
+def _output_index(index: Any) -> Any:
+    if not _is_int(index) or index < 0:  # before the int check: a quoted "0" gets this message, not "expected int"
+        raise ValueError("output indices must be non-negative integers (unquoted)")
+    return index
+
+
+def _non_empty(message: str) -> Any:
+    def check(value: Any) -> Any:
+        if not value:
+            raise ValueError(message)
+        return value
+
+    return AfterValidator(check)
+
+
+ModulePath = Annotated[str, AfterValidator(_module_path)]
+InputName = Annotated[str, _identifier("a forward() argument name")]
+OutputIndex = Annotated[int, BeforeValidator(_output_index)]
+
+
+class Spec(Section):
+    """How one tensor is split or gathered."""
+
+    dim: int
+    """The split/gather dimension."""
+    expected_dims: Annotated[int, Field(ge=1)] | None = None
+    """The rank the tensor must have (else diffusers leaves it unsplit, with a warning); null = unchecked."""
+
+    @model_validator(mode="after")
+    def _dim_in_range(self) -> Spec:
+        e = self.expected_dims
+        if e is not None and not -e <= self.dim < e:  # a dim the tensor cannot have: the entry would be a no-op
+            report([("dim", f"dim {self.dim} is out of range for a {e}-d tensor")])
+        return self
+
+
+def _one_or_list(empty: str) -> Any:
+    """A spec, or a non-empty list of specs (one per element/output): a single mapping stays a single spec."""
+    return Annotated[
+        Annotated[Spec, Tag("spec")] | Annotated[list[Spec], _non_empty(empty), Tag("list of specs")],
+        Discriminator(lambda v: "list of specs" if isinstance(v, list) else "spec"),
+    ]
+
+
+InputSpecs = _one_or_list("empty list; give one spec per element of the argument")
+GatherSpecs = _one_or_list("empty gather list; give one {dim, expected_dims} per module output")
+
+
+class PlanEntry(Section):
+    """What the plan does at one module path."""
+
+    split_inputs: Annotated[dict[InputName, InputSpecs], _non_empty("expected a non-empty mapping")] | None = None
+    """forward() argument name -> spec, or a list of specs for a list/tuple argument."""
+    split_outputs: Annotated[dict[OutputIndex, Spec], _non_empty("expected a non-empty mapping")] | None = None
+    """Output index -> spec: the output is split after forward (ContextParallelInput with split_output=True)."""
+    gather: GatherSpecs | None = None
+    """One spec, or a list with one spec per output of the module (ContextParallelOutput)."""
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> PlanEntry:
+        if self.split_inputs is None and self.split_outputs is None and self.gather is None:
+            report([((), "empty entry; expected one of " + ", ".join(PlanEntry.model_fields))])
+        return self
+
+    def split(self) -> SplitPlan:
+        out: SplitPlan = {}
+        for name, specs in (self.split_inputs or {}).items():
+            if isinstance(specs, list):
+                out[name] = [ContextParallelInput(s.dim, s.expected_dims) for s in specs]
+            else:
+                out[name] = ContextParallelInput(specs.dim, specs.expected_dims)
+        for index, s in (self.split_outputs or {}).items():
+            out[index] = ContextParallelInput(s.dim, s.expected_dims, split_output=True)
+        return out
+
+    def gathers(self) -> GatherPlan | None:
+        if isinstance(self.gather, list):
+            return [ContextParallelOutput(s.dim, s.expected_dims) for s in self.gather]
+        return None if self.gather is None else ContextParallelOutput(self.gather.dim, self.gather.expected_dims)
+
+
+class PlanFile(Section):
+    """One cp_plans/*.yaml file."""
+
+    model_class: Annotated[str, _identifier("a class name")]
+    """diffusers transformer class, matched against the model's class or its nearest base class, by name."""
+    training: Literal["supported", "unsupported"]
+    """Whether training under this plan gives correct gradients."""
+    reason: str | None = None
+    """Why training is unsupported (required then, and only then)."""
+    per_head_mask_inputs: list[InputName] = Field(default_factory=list)
+    """forward() arguments the processors expand to per-head masks (Ulysses cannot shard them)."""
+    layout_registry: bool = False
+    """Attention lengths come from the splits (train/cp/layout.py) instead of a size exchange in every layer."""
+    local_attention: list[ModulePath] = Field(default_factory=list)
+    """Module paths whose attention runs on replicated tokens: no CP there."""
+    plan: Annotated[dict[ModulePath, PlanEntry], _non_empty("expected a non-empty mapping of module path -> entry")]
+    """Module path ("" = the model, one '*' = every element of a ModuleList) -> what is split or gathered there."""
+
+    @model_validator(mode="after")
+    def _rules(self) -> PlanFile:
+        problems: list[tuple[tuple[str, ...], str]] = []
+        if self.training == "unsupported" and not (self.reason or "").strip():
+            problems.append((("reason",), "'training: unsupported' needs a reason (text)"))
+        if self.training == "supported" and self.reason is not None:
+            problems.append((("reason",), "only 'training: unsupported' takes a reason; use a YAML comment for notes"))
+        for path, entry in self.plan.items():
+            if entry.split() and entry.gather is not None and "*" not in path:
+                message = (
+                    "a concrete module path cannot both split and gather: a diffusers plan holds one value per path"
+                )
+                problems.append((("plan", path), message))
+        report(problems)
+        return self
+
+    def to_spec(self, path: Path) -> CPPlanSpec:
+        plan: DiffusersPlan = {}
+        extra_gathers: dict[str, GatherPlan] = {}
+        for module_path, entry in self.plan.items():
+            split, gather = entry.split(), entry.gathers()
+            if split and gather is not None:  # a wildcard path that splits and gathers (see the module docstring)
+                extra_gathers[module_path] = gather
+            plan[module_path] = split if split else gather
+        return CPPlanSpec(
+            model_class=self.model_class,
+            training_supported=self.training == "supported",
+            reason=self.reason,
+            per_head_mask_inputs=tuple(self.per_head_mask_inputs),
+            plan=plan,
+            path=path,
+            extra_gathers=extra_gathers,
+            layout_registry=self.layout_registry,
+            local_attention=tuple(self.local_attention),
+        )
 
 
 def _display(path: Path) -> str:
@@ -147,171 +288,22 @@ def _display(path: Path) -> str:
         return str(path)
 
 
-def _dotted(keys: Iterable[Any]) -> str:
-    """`plan."blocks.0".split_inputs.hidden_states`: module paths containing dots (or "") are quoted."""
-    parts = []
-    for key in keys:
-        text = str(key)
-        parts.append(f'"{text}"' if (text == "" or "." in text or " " in text) else text)
-    return ".".join(parts)
-
-
-class _Ctx:
-    """Carries the file name and builds `<file>: <dotted key>: <problem>` errors."""
-
-    def __init__(self, path: Path) -> None:
-        self.file = _display(path)
-
-    def error(self, keys: Iterable[Any], message: str) -> ValueError:
-        where = _dotted(keys)
-        return ValueError(f"{self.file}: {where}: {message}" if where else f"{self.file}: {message}")
-
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # YAML `true` is a bool, and bool is an int
 
 
-def _check_keys(ctx: _Ctx, keys: tuple, mapping: Any, allowed: tuple[str, ...], what: str) -> dict:
-    if not isinstance(mapping, dict):
-        raise ctx.error(keys, f"expected a mapping ({what}), got {type(mapping).__name__}")
-    for key in mapping:
-        if key not in allowed:
-            raise ctx.error((*keys, key), f"unknown key; expected one of {', '.join(allowed)}")
-    return mapping
-
-
-def _parse_spec(ctx: _Ctx, keys: tuple, raw: Any) -> tuple[int, int | None]:
-    spec = _check_keys(ctx, keys, raw, _SPEC_KEYS, "{dim: int, expected_dims: int | null}")
-    if "dim" not in spec:
-        raise ctx.error(keys, "missing key 'dim'")
-    dim, expected = spec["dim"], spec.get("expected_dims")
-    if not _is_int(dim):
-        raise ctx.error((*keys, "dim"), f"expected an integer, got {dim!r}")
-    if expected is not None:
-        if not _is_int(expected) or expected < 1:
-            raise ctx.error((*keys, "expected_dims"), f"expected a positive integer or null, got {expected!r}")
-        if not -expected <= dim < expected:  # a dim the tensor cannot have would make the entry a silent no-op
-            raise ctx.error((*keys, "dim"), f"dim {dim} is out of range for a {expected}-d tensor")
-    return dim, expected
-
-
-def _parse_gather(ctx: _Ctx, keys: tuple, raw: Any) -> GatherPlan:
-    # A single mapping mirrors diffusers' single ContextParallelOutput; a list has one spec per module output.
-    if isinstance(raw, list):
-        if not raw:
-            raise ctx.error(keys, "empty gather list; give one {dim, expected_dims} per module output")
-        return [ContextParallelOutput(*_parse_spec(ctx, (*keys, i), item)) for i, item in enumerate(raw)]
-    return ContextParallelOutput(*_parse_spec(ctx, keys, raw))
-
-
-def _parse_split(ctx: _Ctx, keys: tuple, entry: dict) -> SplitPlan:
-    split: SplitPlan = {}
-    if "split_inputs" in entry:
-        inputs = entry["split_inputs"]
-        if not isinstance(inputs, dict) or not inputs:
-            raise ctx.error((*keys, "split_inputs"), "expected a non-empty mapping of forward-argument name -> spec")
-        for name, raw in inputs.items():
-            where = (*keys, "split_inputs", name)
-            if not isinstance(name, str) or not name.isidentifier():
-                raise ctx.error(where, "input names must be forward() argument names")
-            if isinstance(raw, list):  # the argument is a list/tuple of tensors: one spec per element
-                if not raw:
-                    raise ctx.error(where, "empty list; give one spec per element of the argument")
-                split[name] = [ContextParallelInput(*_parse_spec(ctx, (*where, i), s)) for i, s in enumerate(raw)]
-            else:
-                split[name] = ContextParallelInput(*_parse_spec(ctx, where, raw))
-    if "split_outputs" in entry:
-        outputs = entry["split_outputs"]
-        if not isinstance(outputs, dict) or not outputs:
-            raise ctx.error((*keys, "split_outputs"), "expected a non-empty mapping of output index -> spec")
-        for index, raw in outputs.items():
-            where = (*keys, "split_outputs", index)
-            if not _is_int(index) or index < 0:
-                raise ctx.error(where, "output indices must be non-negative integers (unquoted)")
-            # diffusers' post-forward hook only splits a single ContextParallelInput per output index.
-            split[index] = ContextParallelInput(*_parse_spec(ctx, where, raw), split_output=True)
-    return split
-
-
-def _check_module_path(ctx: _Ctx, keys: tuple, path: Any) -> str:
-    if not isinstance(path, str):
-        raise ctx.error(keys, f"module paths must be strings, got {path!r} (quote it)")
-    if path.count("*") > 1:
-        raise ctx.error(keys, "at most one '*' wildcard per module path (a diffusers limit)")
-    if path and any(atom == "" or ("*" in atom and atom != "*") for atom in path.split(".")):
-        raise ctx.error(keys, "malformed module path; use dotted attribute names, '*' as a whole segment")
-    return path
-
-
 def load_plan_file(path: str | Path) -> CPPlanSpec:
-    """Load and strictly check one plan file. Raises ValueError naming the file and the dotted key path."""
+    """Load and strictly check one plan file. Raises PlanError (a ValueError) naming the file and each dotted key."""
     path = Path(path)
-    ctx = _Ctx(path)
+    source = _display(path)
     try:
-        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)  # a SafeLoader subclass
+        raw = load_yaml(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
-        raise ValueError(f"{ctx.file}: invalid YAML: {exc}") from exc
-    top = _check_keys(ctx, (), raw, _TOP_KEYS, "a plan file")
-    for key in ("model_class", "training", "plan"):
-        if key not in top:
-            raise ctx.error((), f"missing key '{key}'")
-
-    model_class = top["model_class"]
-    if not isinstance(model_class, str) or not model_class.isidentifier():
-        raise ctx.error(("model_class",), f"expected a class name, got {model_class!r}")
-    training = top["training"]
-    if training not in _TRAINING_VALUES:
-        raise ctx.error(("training",), f"expected one of {', '.join(_TRAINING_VALUES)}, got {training!r}")
-    reason = top.get("reason")
-    if training == "unsupported" and (not isinstance(reason, str) or not reason.strip()):
-        raise ctx.error(("reason",), "'training: unsupported' needs a reason (text)")
-    if training == "supported" and reason is not None:
-        raise ctx.error(("reason",), "only 'training: unsupported' takes a reason; use a YAML comment for notes")
-    masks = top.get("per_head_mask_inputs", [])
-    if not isinstance(masks, list) or not all(isinstance(m, str) and m.isidentifier() for m in masks):
-        raise ctx.error(("per_head_mask_inputs",), f"expected a list of forward() argument names, got {masks!r}")
-
-    layout_registry = top.get("layout_registry", False)
-    if not isinstance(layout_registry, bool):
-        raise ctx.error(("layout_registry",), f"expected true or false, got {layout_registry!r}")
-
-    local = top.get("local_attention", [])
-    if not isinstance(local, list):
-        raise ctx.error(("local_attention",), f"expected a list of module paths, got {local!r}")
-    local = [_check_module_path(ctx, ("local_attention", i), p) for i, p in enumerate(local)]
-
-    entries = top["plan"]
-    if not isinstance(entries, dict) or not entries:
-        raise ctx.error(("plan",), "expected a non-empty mapping of module path -> entry")
-    plan: DiffusersPlan = {}
-    extra_gathers: dict[str, GatherPlan] = {}
-    for module_path, entry in entries.items():
-        keys = ("plan", module_path)
-        module_path = _check_module_path(ctx, keys, module_path)
-        entry = _check_keys(ctx, keys, entry, _ENTRY_KEYS, "split_inputs / split_outputs / gather")
-        if not entry:
-            raise ctx.error(keys, f"empty entry; expected one of {', '.join(_ENTRY_KEYS)}")
-        split = _parse_split(ctx, keys, entry)
-        gather = _parse_gather(ctx, (*keys, "gather"), entry["gather"]) if "gather" in entry else None
-        if split and gather is not None:
-            if "*" not in module_path:
-                raise ctx.error(
-                    keys,
-                    "a concrete module path cannot both split and gather: a diffusers plan holds one value per path",
-                )
-            extra_gathers[module_path] = gather
-        plan[module_path] = split if split else gather
-    return CPPlanSpec(
-        model_class=model_class,
-        training_supported=training == "supported",
-        reason=reason if training == "unsupported" else None,
-        per_head_mask_inputs=tuple(masks),
-        plan=plan,
-        path=path,
-        extra_gathers=extra_gathers,
-        layout_registry=layout_registry,
-        local_attention=tuple(local),
-    )
+        raise PlanError([f"{source}: invalid YAML: {exc}"]) from exc
+    plan, errors = validate(PlanFile, raw, source)
+    if errors:
+        raise PlanError(errors)
+    return plan.to_spec(path)
 
 
 def load_plans(plan_dir: str | Path = PLAN_DIR) -> dict[str, CPPlanSpec]:

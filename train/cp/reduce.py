@@ -79,7 +79,8 @@ class GradReduction:
 
     @classmethod
     def for_model(cls, parallel_config, dp_group: dist.ProcessGroup | None = None) -> GradReduction:
-        """Plain all-reduce reduction for a model set up by `enable_context_parallel` (its returned config)."""
+        """Plain all-reduce reduction for a model set up by `enable_context_parallel` (the state it returned; any
+        diffusers `ParallelConfig` with a context-parallel config will do)."""
         return cls("allreduce", parallel_config.context_parallel_config._ulysses_mesh.get_group(), dp_group)
 
     def _check_reduce_mesh(self) -> None:

@@ -10,6 +10,10 @@ Layout. Rank r holds `s_r` tokens of every head (B, s_r, H, D). Heads are split 
 One all-to-all-v moves Q, K and V together: rank r sends rank j the block (B, s_r, h_j, D) of each tensor and receives
 (B, s_i, h_r, D) from every rank i, then concatenates along the sequence: (B, S, h_r, D). The output goes back the
 inverse way. Every all-to-all only permutes elements, so its backward is the inverse all-to-all.
+
+Per-model state. The function reads the model's layout registry and transport from the `_parallel_config` diffusers
+passes it: the model's `ContextParallelState` (state.py). With parallelism enabled through diffusers' own API that is
+a plain `ParallelConfig`: then every call exchanges sizes, through a plain transport.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .comm import all_gather_uneven, get_transport
-from .layout import REGISTRY, split_sizes
+from .comm import TorchTransport, all_gather_uneven, exchange_ints
+from .layout import LayoutRegistry, split_sizes
+from .state import ContextParallelState
 
 __all__ = ["UlyssesAnythingAttention", "GatherAnything", "install_ulysses_anything_backward", "split_sizes"]
 
@@ -69,6 +74,7 @@ def _seq_to_heads(
     seq_sizes: list[tuple[int, ...]],
     lay: _Layout,
     group,
+    transport: TorchTransport,
     site: str,
     riders: list[Rider] = (),
 ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
@@ -101,7 +107,7 @@ def _seq_to_heads(
         for i in range(lay.world)
     ]
     max_elems = _max_elems(xs, seq_sizes, lay, riders)
-    recv = get_transport(group).all_to_all(send, in_splits, out_splits, group, site, max_elems)
+    recv = transport.all_to_all(send, in_splits, out_splits, group, site, max_elems)
     # Received: for each source rank i, for each tensor, a (B, s_i, h_r, D) block. Concatenate along the sequence.
     pieces: list[list[torch.Tensor]] = [[] for _ in xs]
     rode: list[list[torch.Tensor]] = [[] for _ in riders]
@@ -118,7 +124,9 @@ def _seq_to_heads(
     return [torch.cat(p, dim=1) for p in pieces], rode
 
 
-def _heads_to_seq(xs: list[torch.Tensor], seq_sizes: list[tuple[int, ...]], lay: _Layout, group, site: str):
+def _heads_to_seq(
+    xs: list[torch.Tensor], seq_sizes: list[tuple[int, ...]], lay: _Layout, group, transport: TorchTransport, site: str
+):
     """(B, S_t, h_r, D_t) per tensor → (B, s_r, H, D_t): the inverse of `_seq_to_heads`."""
     r, heads = lay.rank, lay.heads
     dtype, device = xs[0].dtype, xs[0].device
@@ -137,7 +145,7 @@ def _heads_to_seq(xs: list[torch.Tensor], seq_sizes: list[tuple[int, ...]], lay:
     out_splits = [
         sum(B * sizes[r] * heads[i] * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) for i in range(lay.world)
     ]
-    recv = get_transport(group).all_to_all(send, in_splits, out_splits, group, site, _max_elems(xs, seq_sizes, lay))
+    recv = transport.all_to_all(send, in_splits, out_splits, group, site, _max_elems(xs, seq_sizes, lay))
     pieces: list[list[torch.Tensor]] = [[] for _ in xs]
     pos = 0
     for i in range(lay.world):
@@ -208,7 +216,7 @@ def _decode(piece: torch.Tensor) -> list[int]:
     return piece.clone().view(torch.uint8).view(torch.int64).tolist()
 
 
-def _assemble_mask(mask, lens: list[list[int]], lay: _Layout, group, keys: torch.Tensor | None) -> torch.Tensor | None:
+def _assemble_mask(mask, lens: list[list[int]], lay: _Layout, group, transport, keys) -> torch.Tensor | None:
     """Bring a mask to the global (post all-to-all) layout, deciding from exchanged sizes only: same on all ranks.
     `keys`: the mask's key dim as it came back from the Q/K/V all-to-all (the rider), if it travelled there."""
     if mask is None:
@@ -219,14 +227,15 @@ def _assemble_mask(mask, lens: list[list[int]], lay: _Layout, group, keys: torch
         full = keys.transpose(1, 2)[:, None]
         mask = full != 0 if mask.dtype == torch.bool else full
     elif _key_split(lens, lay):
-        mask = all_gather_uneven(mask, -1, mk, group, "mask")  # split key padding: concatenate shards in rank order
+        # Split key padding: concatenate the shards in rank order.
+        mask = all_gather_uneven(mask, -1, mk, group, "mask", transport)
     elif any(n != s_kv for n in mk):
         raise ValueError(
             f"attention mask key length per rank {mk} matches neither the local key lengths {list(lay.kv_sizes)} "
             f"nor the global key length {s_kv}"
         )
     if _query_split(lens, lay):
-        mask = all_gather_uneven(mask, -2, mq, group, "mask")
+        mask = all_gather_uneven(mask, -2, mq, group, "mask", transport)
     elif any(n not in (1, s_q) for n in mq):
         raise ValueError(
             f"attention mask query length per rank {mq} matches neither 1, the local query lengths "
@@ -246,41 +255,53 @@ def _trim_seq(x: torch.Tensor, chunks: tuple[int, ...], sizes: tuple[int, ...]) 
     return torch.cat([x.narrow(1, off, n) for off, n in zip(_offsets(list(chunks)), sizes)], dim=1)
 
 
-def _qkv_to_heads(query, key, value, attn_mask, group, world: int, rank: int):
+def _qkv_to_heads(query, key, value, attn_mask, group, world: int, rank: int, layout, transport):
     """The forward's one Q/K/V all-to-all. Returns head-sharded q, k, v, the mask in the global layout, the layout.
 
     Every rank's local lengths come from the layout registry (layout.py), identical on every rank and without a
     collective; never from a cache keyed by local length (that is how ranks hang). When the registry can only bound
     them (two recorded splits too close to tell apart on some rank), the chunks are padded to the bounds, each rank's
     true lengths travel in the same all-to-all, and the padding is dropped on arrival. Without a registry (op-level
-    use, or a plan without `layout_registry: true`) the lengths are exchanged first."""
+    use, or a plan without `layout_registry: true`) the lengths are exchanged first. `layout` is None without a CP
+    state (parallelism enabled through diffusers' own API): exchanged too."""
     mask_q = -1 if attn_mask is None else attn_mask.shape[-2]
     mask_k = -1 if attn_mask is None else attn_mask.shape[-1]
     values = [query.shape[1], key.shape[1], mask_q, mask_k]
-    rows, exact = REGISTRY.resolve(
-        values, query.device, group, "sizes", ties=(None, None, 0, 1), bounds_ok=attn_mask is None
-    )
+    if layout is None:
+        rows, exact = exchange_ints(values, query.device, group, "sizes", transport), True
+    else:
+        rows, exact = layout.resolve(
+            values, query.device, group, "sizes", transport, ties=(None, None, 0, 1), bounds_ok=attn_mask is None
+        )
     heads = tuple(split_sizes(query.shape[2], world))
     if exact:
         lay = _Layout(rank, world, tuple(r[0] for r in rows), tuple(r[1] for r in rows), heads)
         riders = _mask_rider(attn_mask, rows, lay, query.dtype)
         (q, k, v), rode = _seq_to_heads(
-            [query, key, value], [lay.q_sizes, lay.kv_sizes, lay.kv_sizes], lay, group, "qkv", riders
+            [query, key, value], [lay.q_sizes, lay.kv_sizes, lay.kv_sizes], lay, group, transport, "qkv", riders
         )
         keys = _mask_keys(attn_mask, rode[0], lay) if riders else None
-        return q, k, v, _assemble_mask(attn_mask, rows, lay, group, keys), lay
+        return q, k, v, _assemble_mask(attn_mask, rows, lay, group, transport, keys), lay
     q_cap, kv_cap = tuple(r[0] for r in rows), tuple(r[1] for r in rows)
     padded = _Layout(rank, world, q_cap, kv_cap, heads)
     header = _encode(values, query.dtype, query.device)
     xs = [_pad_seq(query, q_cap[rank]), _pad_seq(key, kv_cap[rank]), _pad_seq(value, kv_cap[rank])]
     (q, k, v), rode = _seq_to_heads(
-        xs, [q_cap, kv_cap, kv_cap], padded, group, "qkv", [(header, (header.numel(),) * world)]
+        xs, [q_cap, kv_cap, kv_cap], padded, group, transport, "qkv", [(header, (header.numel(),) * world)]
     )
     lens = [_decode(piece) for piece in rode[0]]
     lay = _Layout(rank, world, tuple(r[0] for r in lens), tuple(r[1] for r in lens), heads)
     q = _trim_seq(q, q_cap, lay.q_sizes)
     k, v = (_trim_seq(t, kv_cap, lay.kv_sizes) for t in (k, v))
     return q, k, v, None, lay
+
+
+def _model_state(parallel_config) -> tuple[LayoutRegistry | None, TorchTransport]:
+    """The model's layout registry and transport, from its CP state. A plain diffusers `ParallelConfig` (parallelism
+    enabled through diffusers' own API) has neither: no registry (sizes exchanged per call), a plain transport."""
+    if isinstance(parallel_config, ContextParallelState):
+        return parallel_config.layout, parallel_config.transport
+    return None, TorchTransport()
 
 
 class UlyssesAnythingAttention(torch.autograd.Function):
@@ -316,10 +337,11 @@ class UlyssesAnythingAttention(torch.autograd.Function):
     ):
         group = _parallel_config.context_parallel_config._ulysses_mesh.get_group()
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        q, k, v, attn_mask, lay = _qkv_to_heads(query, key, value, attn_mask, group, world, rank)
+        layout, transport = _model_state(_parallel_config)
+        q, k, v, attn_mask, lay = _qkv_to_heads(query, key, value, attn_mask, group, world, rank, layout, transport)
 
         ctx.forward_op, ctx.backward_op, ctx._parallel_config = forward_op, backward_op, _parallel_config
-        ctx.layout, ctx.group, ctx.empty = lay, group, lay.heads[rank] == 0
+        ctx.layout, ctx.group, ctx.transport, ctx.empty = lay, group, transport, lay.heads[rank] == 0
         if ctx.empty:  # fewer heads than ranks: this rank attends over nothing but still joins every collective
             out = q.new_empty((*q.shape[:-1], v.shape[-1]))
             lse = q.new_empty(q.shape[:-1], dtype=torch.float32) if return_lse else None
@@ -332,24 +354,25 @@ class UlyssesAnythingAttention(torch.autograd.Function):
             if return_lse:
                 out, lse, *_ = out
         ctx.kv_shapes = (k.shape, v.shape)
-        (out,) = _heads_to_seq([out], [lay.q_sizes], lay, group, "out")
+        (out,) = _heads_to_seq([out], [lay.q_sizes], lay, group, transport, "out")
         if not return_lse:
             return out
-        (lse,) = _heads_to_seq([lse.unsqueeze(-1)], [lay.q_sizes], lay, group, "lse")
+        (lse,) = _heads_to_seq([lse.unsqueeze(-1)], [lay.q_sizes], lay, group, transport, "lse")
         lse = lse.squeeze(-1)
         ctx.mark_non_differentiable(lse)  # the LSE is an auxiliary output; its gradient is not propagated
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, *_grad_lse):
-        lay, group = ctx.layout, ctx.group
-        (d_out,), _ = _seq_to_heads([grad_out], [lay.q_sizes], lay, group, "d_out")
+        lay, group, transport = ctx.layout, ctx.group, ctx.transport
+        (d_out,), _ = _seq_to_heads([grad_out], [lay.q_sizes], lay, group, transport, "d_out")
         if ctx.empty:
             dq = d_out.new_empty(d_out.shape[:-1] + (ctx.kv_shapes[0][-1],))
             dk, dv = d_out.new_empty(ctx.kv_shapes[0]), d_out.new_empty(ctx.kv_shapes[1])
         else:
             dq, dk, dv, *_ = ctx.backward_op(ctx, d_out)
-        dq, dk, dv = _heads_to_seq([dq, dk, dv], [lay.q_sizes, lay.kv_sizes, lay.kv_sizes], lay, group, "d_qkv")
+        seq = [lay.q_sizes, lay.kv_sizes, lay.kv_sizes]
+        dq, dk, dv = _heads_to_seq([dq, dk, dv], seq, lay, group, transport, "d_qkv")
         return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
@@ -358,25 +381,49 @@ class GatherAnything(torch.autograd.Function):
 
     Replaces diffusers' `AllGatherAnythingFunction`, whose forward uses an uneven all_gather (rejected by gloo) and
     whose backward re-derives the slice with `tensor_split`, which is wrong when shards are not tensor_split sizes.
+    `layout` / `transport`: the model's (its CP state's gather hook passes them); None (diffusers' own hooks): shard
+    sizes are exchanged, through a plain transport.
     """
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, dim: int, group: dist.ProcessGroup):
+    def forward(
+        ctx,
+        tensor: torch.Tensor,
+        dim: int,
+        group: dist.ProcessGroup,
+        layout: LayoutRegistry | None = None,
+        transport: TorchTransport | None = None,
+    ):
         dim = dim % tensor.dim()
-        sizes = [row[0] for row in REGISTRY.lengths([tensor.shape[dim]], tensor.device, group, "gather_sizes")]
+        transport = transport or TorchTransport()
+        values, site = [tensor.shape[dim]], "gather_sizes"
+        if layout is None:
+            rows = exchange_ints(values, tensor.device, group, site, transport)
+        else:
+            rows = layout.lengths(values, tensor.device, group, site, transport)
+        sizes = [row[0] for row in rows]
         ctx.dim, ctx.offset, ctx.size = dim, sum(sizes[: dist.get_rank(group)]), tensor.shape[dim]
-        return all_gather_uneven(tensor.contiguous(), dim, sizes, group, "gather")
+        return all_gather_uneven(tensor.contiguous(), dim, sizes, group, "gather", transport)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad.narrow(ctx.dim, ctx.offset, ctx.size), None, None
+        return grad.narrow(ctx.dim, ctx.offset, ctx.size), None, None, None, None
 
 
 def _all_gather_anything(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     return GatherAnything.apply(tensor, dim, group)
 
 
-_ORIGINALS: dict[str, object] = {}
+# diffusers' own objects that `install_ulysses_anything_backward` replaced, kept for `uninstall_...`. Module state on
+# purpose: it records a patch of diffusers' module namespace, which is itself process-wide. Written once, by the first
+# install (while diffusers' own objects are still in place), never changed after; it holds nothing per model.
+_STOCK: dict[str, object] = {}
+
+
+def _installed() -> bool:
+    from diffusers.models import attention_dispatch
+
+    return attention_dispatch.TemplatedUlyssesAnythingAttention is UlyssesAnythingAttention
 
 
 def install_ulysses_anything_backward() -> None:
@@ -386,39 +433,34 @@ def install_ulysses_anything_backward() -> None:
     - `attention_dispatch.TemplatedUlyssesAnythingAttention` → `UlyssesAnythingAttention` (backward, uneven heads
       without padding, correct split-mask assembly, LSE as a non-differentiable output);
     - `hooks.context_parallel.AllGatherAnythingFunction` / `_all_gather_anything` → `GatherAnything` (uneven output
-      gather that gloo accepts, exact backward slice);
-    - `PartitionAnythingSharder.shard_anything` records each split in the layout registry (layout.py), so layers
-      need no per-call size exchange.
+      gather that gloo accepts, exact backward slice).
+    Models enabled with `enable_context_parallel` also get their own split/gather hooks (enable.py), which record
+    each split in the model's layout registry, so their layers need no per-call size exchange. Models enabled through
+    diffusers' own API train too, exchanging sizes in every call.
     """
     from diffusers.hooks import context_parallel as cp_hooks
     from diffusers.models import attention_dispatch
 
-    if _ORIGINALS:
+    if _installed():
         return
-    _ORIGINALS["attention"] = attention_dispatch.TemplatedUlyssesAnythingAttention
-    _ORIGINALS["gather_fn"] = cp_hooks.AllGatherAnythingFunction
-    _ORIGINALS["gather"] = cp_hooks._all_gather_anything
-    _ORIGINALS["shard"] = cp_hooks.PartitionAnythingSharder.__dict__["shard_anything"]
+    if not _STOCK:
+        _STOCK.update(
+            attention=attention_dispatch.TemplatedUlyssesAnythingAttention,
+            gather_fn=cp_hooks.AllGatherAnythingFunction,
+            gather=cp_hooks._all_gather_anything,
+        )
     attention_dispatch.TemplatedUlyssesAnythingAttention = UlyssesAnythingAttention
     cp_hooks.AllGatherAnythingFunction = GatherAnything
     cp_hooks._all_gather_anything = _all_gather_anything
-    shard = _ORIGINALS["shard"].__func__
-
-    def shard_anything(cls, tensor: torch.Tensor, dim: int, mesh):
-        REGISTRY.record(tensor.size(dim), mesh.size())  # a global length: the same partition on every rank
-        return shard(cls, tensor, dim, mesh)
-
-    cp_hooks.PartitionAnythingSharder.shard_anything = classmethod(shard_anything)
 
 
 def uninstall_ulysses_anything_backward() -> None:
-    """Restore diffusers' originals (used by tests that demonstrate the stock defects)."""
+    """Restore diffusers' originals (used by tests and benchmarks that demonstrate the stock defects)."""
     from diffusers.hooks import context_parallel as cp_hooks
     from diffusers.models import attention_dispatch
 
-    if not _ORIGINALS:
+    if not _installed():
         return
-    attention_dispatch.TemplatedUlyssesAnythingAttention = _ORIGINALS.pop("attention")
-    cp_hooks.AllGatherAnythingFunction = _ORIGINALS.pop("gather_fn")
-    cp_hooks._all_gather_anything = _ORIGINALS.pop("gather")
-    cp_hooks.PartitionAnythingSharder.shard_anything = _ORIGINALS.pop("shard")
+    attention_dispatch.TemplatedUlyssesAnythingAttention = _STOCK["attention"]
+    cp_hooks.AllGatherAnythingFunction = _STOCK["gather_fn"]
+    cp_hooks._all_gather_anything = _STOCK["gather"]

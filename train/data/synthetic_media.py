@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -187,6 +188,91 @@ def write_image(path: str | Path, image: np.ndarray) -> Path:
     return path
 
 
+@dataclass
+class _MediaWriter:
+    """What make_media_set writes with: the folder, the item sizes and codecs, and the one random stream."""
+
+    root: Path
+    rng: np.random.Generator
+    frames: int
+    height: int
+    width: int
+    fps: float
+    codec: str
+    audio: bool
+    audio_rate: int
+    audio_codec: str
+
+    @property
+    def ext(self) -> str:
+        return ".mkv" if self.codec == "ffv1" else ".mp4"
+
+    def pick(self) -> tuple[str, str, str, str]:
+        rng = self.rng
+        return (
+            str(rng.choice(SHAPES)),
+            str(rng.choice(list(COLORS))),
+            str(rng.choice(list(DIRECTIONS))),
+            str(rng.choice(list(BACKGROUNDS))),
+        )
+
+    def video(self, name: str, shape: str, color: str, direction: str, bg: str, frames: int, h: int, w: int) -> None:
+        """A clip, with a stereo track of its pitches when audio is on (see the module doc)."""
+        clip = render_clip(shape, color, direction, bg, frames=frames, height=h, width=w)
+        sound = ()
+        if self.audio:
+            tones = render_tones(COLOR_TONES[color], SHAPE_TONES[shape], frames / self.fps, self.audio_rate)
+            sound = (tones, self.audio_rate, self.audio_codec)
+        write_video(self.root / name, clip, self.fps, self.codec, *sound)
+
+    def good(self, name: str, is_video: bool, h: int, w: int) -> str:
+        """Write a good clip (or image) and return its caption."""
+        shape, color, direction, bg = self.pick()
+        if not is_video:
+            write_image(self.root / name, render_clip(shape, color, None, bg, frames=1, height=h, width=w)[0])
+            return caption_for(shape, color, None, bg)
+        self.video(name, shape, color, direction, bg, self.frames, h, w)
+        return caption_for(shape, color, direction, bg)
+
+    def bad(self, j: int, kind: str, caption_column: str) -> dict:
+        """Write the j-th bad item of `kind` and return its metadata row."""
+        if kind not in BAD_KINDS:
+            raise ValueError(f"unknown bad item kind {kind!r}; choose from {sorted(BAD_KINDS)}")
+        shape, color, direction, bg = self.pick()
+        text = caption_for(shape, color, direction, bg)
+        name = f"bad_{j:02d}_{kind}{self.ext}"
+        if kind == "corrupt":
+            (self.root / name).write_bytes(self.rng.integers(0, 256, 4096, dtype=np.uint8).tobytes())
+        elif kind == "short":
+            self.video(name, shape, color, direction, bg, 3, self.height, self.width)
+        elif kind == "no_caption":
+            self.video(name, shape, color, direction, bg, self.frames, self.height, self.width)
+            text = ""
+        elif kind == "small":
+            name = f"bad_{j:02d}_small.png"
+            write_image(self.root / name, render_clip(shape, color, None, bg, frames=1, height=16, width=16)[0])
+        row = {"file_name": name, caption_column: text, "expect": BAD_KINDS[kind]}
+        if kind == "no_caption" and j % 2 == 0:
+            del row[caption_column]  # missing key and empty string are both "no caption"
+        return row
+
+
+def _write_metadata(root: Path, rows: list[dict], caption_column: str, metadata: str) -> None:
+    if metadata == "jsonl":
+        with open(root / "metadata.jsonl", "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    elif metadata == "csv":
+        import csv
+
+        with open(root / "metadata.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["file_name", caption_column, "expect"])
+            writer.writeheader()
+            writer.writerows(rows)
+    else:
+        raise ValueError(f"metadata must be 'jsonl' or 'csv', got {metadata!r}")
+
+
 def make_media_set(
     root: str | Path,
     *,
@@ -215,73 +301,14 @@ def make_media_set(
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    ext = ".mkv" if codec == "ffv1" else ".mp4"
+    writer = _MediaWriter(root, np.random.default_rng(seed), frames, height, width, fps, codec, audio, audio_rate,
+                          audio_codec)  # fmt: skip
     rows: list[dict] = []
-
-    def sound(shape: str, color: str, num_frames: int) -> tuple:
-        """write_video's audio arguments for a clip of num_frames (none unless audio=True)."""
-        if not audio:
-            return ()
-        tones = render_tones(COLOR_TONES[color], SHAPE_TONES[shape], num_frames / fps, audio_rate)
-        return tones, audio_rate, audio_codec
-
-    def pick() -> tuple[str, str, str, str]:
-        return (
-            str(rng.choice(SHAPES)),
-            str(rng.choice(list(COLORS))),
-            str(rng.choice(list(DIRECTIONS))),
-            str(rng.choice(list(BACKGROUNDS))),
-        )
-
     for i in range(num_videos + num_images):
         h, w = sizes[i % len(sizes)] if sizes else (height, width)
-        shape, color, direction, bg = pick()
-        if i < num_videos:
-            clip = render_clip(shape, color, direction, bg, frames=frames, height=h, width=w)
-            name = f"clip_{i:03d}{ext}"
-            write_video(root / name, clip, fps, codec, *sound(shape, color, frames))
-            text = caption_for(shape, color, direction, bg)
-        else:
-            name = f"image_{i - num_videos:03d}.png"
-            write_image(root / name, render_clip(shape, color, None, bg, frames=1, height=h, width=w)[0])
-            text = caption_for(shape, color, None, bg)
-        rows.append({"file_name": name, caption_column: text, "expect": "ok"})
-
-    for j, kind in enumerate(bad):
-        if kind not in BAD_KINDS:
-            raise ValueError(f"unknown bad item kind {kind!r}; choose from {sorted(BAD_KINDS)}")
-        shape, color, direction, bg = pick()
-        text = caption_for(shape, color, direction, bg)
-        name = f"bad_{j:02d}_{kind}{ext}"
-        if kind == "corrupt":
-            (root / name).write_bytes(rng.integers(0, 256, 4096, dtype=np.uint8).tobytes())
-        elif kind == "short":
-            clip = render_clip(shape, color, direction, bg, frames=3, height=height, width=width)
-            write_video(root / name, clip, fps, codec, *sound(shape, color, 3))
-        elif kind == "no_caption":
-            clip = render_clip(shape, color, direction, bg, frames=frames, height=height, width=width)
-            write_video(root / name, clip, fps, codec, *sound(shape, color, frames))
-            text = ""
-        elif kind == "small":
-            name = f"bad_{j:02d}_small.png"
-            write_image(root / name, render_clip(shape, color, None, bg, frames=1, height=16, width=16)[0])
-        row = {"file_name": name, caption_column: text, "expect": BAD_KINDS[kind]}
-        if kind == "no_caption" and j % 2 == 0:
-            del row[caption_column]  # missing key and empty string are both "no caption"
-        rows.append(row)
-
-    if metadata == "jsonl":
-        with open(root / "metadata.jsonl", "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-    elif metadata == "csv":
-        import csv
-
-        with open(root / "metadata.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=["file_name", caption_column, "expect"])
-            writer.writeheader()
-            writer.writerows(rows)
-    else:
-        raise ValueError(f"metadata must be 'jsonl' or 'csv', got {metadata!r}")
+        is_video = i < num_videos
+        name = f"clip_{i:03d}{writer.ext}" if is_video else f"image_{i - num_videos:03d}.png"
+        rows.append({"file_name": name, caption_column: writer.good(name, is_video, h, w), "expect": "ok"})
+    rows += [writer.bad(j, kind, caption_column) for j, kind in enumerate(bad)]
+    _write_metadata(root, rows, caption_column, metadata)
     return rows

@@ -1,4 +1,4 @@
-"""Model-family specs (data, not branches): one module per family, each defining ``SPEC``.
+"""Model families: one package per family under ``train/models/<family>/``, found by discovery, never listed.
 
 Usage::
 
@@ -7,38 +7,61 @@ Usage::
     spec = get_family("flux")
     kwargs = spec.forward_kwargs(batch, noisy, sigmas, model_config=transformer.config, cp=cp_enabled)
     preds = spec.predictions(transformer(**kwargs, return_dict=False), shapes, model_config=transformer.config)
+
+A family is a package (a folder with ``__init__.py``; its name is the family key recipes use) whose ``__init__``
+exports:
+
+* ``SPEC``: the :class:`~train.models.spec.FamilySpec` the trainer reads (``SPEC.name`` is the folder name),
+* ``Encoder``: the :class:`~train.models.encoder.FamilyEncoder` subclass ``train.prepare`` caches data with,
+* ``TINY_CONFIG``: the tiny transformer's init config (what ``recipes/tiny/<family>.yaml`` random-initialises),
+* ``build_tiny(path)``: writes a tiny random-init pipeline folder (``save_pretrained`` of the real pipeline class),
+
+and documents in its docstring the cache layout, the forward kwargs and what the spec does not cover. Besides its
+folder, a family needs its CP plan (``cp_plans/<family>.yaml``) and its tiny recipe (``recipes/tiny/<family>.yaml``).
+The modules next to the packages (``spec``, ``encoder``, ``tiny``) are shared plumbing, not families.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import json
 import pkgutil
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
+import torch
+
+from .encoder import FamilyEncoder
 from .spec import PRIMARY_STREAM, FamilySpec, ShiftSpec
 
-# Family modules, in a fixed order. Adding a family = adding a module with a SPEC and listing it here.
-_FAMILY_MODULES: tuple[str, ...] = ("flux", "flux2", "qwenimage", "wan", "chronoedit", "ltx", "minimax_h3")
-
-
-def _load() -> dict[str, FamilySpec]:
-    families: dict[str, FamilySpec] = {}
-    for module_name in _FAMILY_MODULES:
-        spec = importlib.import_module(f"{__name__}.{module_name}").SPEC
-        if spec.name != module_name:
-            raise ValueError(f"train.models.{module_name}.SPEC.name is {spec.name!r}")
-        families[spec.name] = spec
-    return families
-
-
-FAMILIES: dict[str, FamilySpec] = _load()
+_CONTRACT = ("SPEC", "Encoder", "TINY_CONFIG", "build_tiny")
+_TINY_SEED = 0
 
 
 def family_names() -> tuple[str, ...]:
-    """The discovered family keys (sorted), without importing any family module: cheap enough for recipe validation."""
-    shared = {"spec"}  # shared plumbing, not a family
-    found = (m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]))
-    return tuple(sorted(n for n in found if not n.startswith("_") and n not in shared))
+    """The discovered family keys (sorted): the packages of this folder, found without importing any of them (cheap
+    enough for recipe validation). Modules (``spec.py``, ``encoder.py``, ``tiny.py``) are shared plumbing."""
+    found = pkgutil.iter_modules([str(Path(__file__).parent)])
+    return tuple(sorted(m.name for m in found if m.ispkg and not m.name.startswith("_")))
+
+
+@functools.cache
+def family_module(name: str) -> ModuleType:
+    """The package of family ``name``, checked against the family contract (see the module docstring)."""
+    if name not in family_names():
+        raise KeyError(f"unknown model family {name!r}; known families: {list(family_names())}")
+    module = importlib.import_module(f"{__name__}.{name}")
+    missing = [attr for attr in _CONTRACT if not hasattr(module, attr)]
+    if missing:
+        raise ImportError(f"train/models/{name}/__init__.py must export {list(_CONTRACT)}; missing {missing}")
+    if module.SPEC.name != name or module.Encoder.name != name:
+        raise ValueError(f"train/models/{name}: SPEC.name / Encoder.name must be {name!r}")
+    return module
+
+
+FAMILIES: dict[str, FamilySpec] = {name: family_module(name).SPEC for name in family_names()}
 
 
 def get_family(name: str) -> FamilySpec:
@@ -57,4 +80,46 @@ def family_for_transformer(class_name: str) -> FamilySpec:
     return matches[0]
 
 
-__all__ = ["FAMILIES", "PRIMARY_STREAM", "FamilySpec", "ShiftSpec", "family_for_transformer", "family_names", "get_family"]
+def get_encoder(name: str) -> FamilyEncoder:
+    """A fresh data encoder for family ``name`` (nothing loaded until ``.load``)."""
+    return family_module(name).Encoder()
+
+
+def tiny_config(name: str) -> dict[str, Any]:
+    """The tiny transformer's init config of family ``name`` (a copy: 7 heads of dim 8, 1-2 layers)."""
+    return dict(family_module(name).TINY_CONFIG)
+
+
+def build_tiny_pipeline(name: str, path: str | Path) -> Path:
+    """Build the tiny pipeline of family ``name`` with fixed weights and save it to ``path`` (reused when already
+    there); returns ``path``. Modular-only pipelines (MiniMax-H3) save modular_model_index.json, the others
+    model_index.json; the family is recorded in it under ``_tiny_family`` (diffusers ignores keys starting with _)."""
+    build = family_module(name).build_tiny
+    path = Path(path)
+    indexes = [path / "model_index.json", path / "modular_model_index.json"]
+    if any(m.exists() and json.loads(m.read_text()).get("_tiny_family") == name for m in indexes):
+        return path
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_TINY_SEED)
+        build(path)
+    marker = next(m for m in indexes if m.exists())
+    index = json.loads(marker.read_text())
+    index["_tiny_family"] = name
+    marker.write_text(json.dumps(index, indent=2))
+    return path
+
+
+__all__ = [
+    "FAMILIES",
+    "PRIMARY_STREAM",
+    "FamilyEncoder",
+    "FamilySpec",
+    "ShiftSpec",
+    "build_tiny_pipeline",
+    "family_for_transformer",
+    "family_module",
+    "family_names",
+    "get_encoder",
+    "get_family",
+    "tiny_config",
+]

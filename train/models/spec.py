@@ -3,12 +3,16 @@
 A :class:`FamilySpec` describes everything the trainer needs to know about one diffusers model family, so that the
 trainer never branches on the family name:
 
-* which diffusers classes make up the family (transformer, pipeline, VAE, text encoders) and which modules LoRA adapts,
+* which diffusers classes make up the family (transformer, pipeline, VAE) and which modules LoRA adapts,
 * the flow-matching timestep shift of the family's scheduler (:class:`ShiftSpec`),
 * how a cached batch plus noisy latents plus timesteps become the transformer's forward kwargs (``build_inputs``), and
   how the transformer output maps back to the latent layout the loss is computed in (``unpack_output``),
 * what the pipeline passes as ``timestep`` for a given noise level ``sigma`` (``timestep_from_sigma``),
+* how many transformer tokens a sample is (``count_tokens``, for the throughput metric),
 * context-parallel quirks (``text_mask_fed_in_cp``).
+
+Everything else about a family (its data encoder, tiny config and tiny pipeline, what the spec does not cover) lives
+next to its spec in ``train/models/<family>/``.
 
 Streams
 -------
@@ -20,6 +24,7 @@ signatures::
 
     build_inputs(batch, noisy_latents: Mapping[str, Tensor], timesteps: Mapping[str, Tensor], *, model_config) -> dict
     unpack_output(out, latents_shapes: Mapping[str, torch.Size], *, model_config) -> dict[str, Tensor]
+    count_tokens(latents_shapes: Mapping[str, tuple[int, ...]], model_config) -> int
 
 where ``timesteps`` are already in the model's convention (``timestep_from_sigma(sigmas)``) and ``out`` is whatever
 ``transformer(**kwargs, return_dict=False)`` returned. :meth:`FamilySpec.forward_kwargs` and
@@ -42,6 +47,7 @@ PRIMARY_STREAM = "latents"
 
 BuildInputs = Callable[..., dict[str, Any]]
 UnpackOutput = Callable[..., dict[str, torch.Tensor]]
+CountTokens = Callable[[Mapping[str, tuple[int, ...]], Mapping[str, Any]], int]
 
 
 def frozen(mapping: Mapping[str, Any] | None = None, **kwargs: Any) -> Mapping[str, Any]:
@@ -114,8 +120,6 @@ class FamilySpec:
     transformer_class: str
     pipeline_class: str
     vae_class: str
-    # Subfolders of the text encoders the pipeline loads (for the data pipeline that fills the cache).
-    text_encoders: tuple[str, ...]
     latent_kind: Literal["image", "video"]
     # Module-name suffixes to adapt with LoRA (peft ``target_modules``).
     lora_targets: tuple[str, ...]
@@ -125,10 +129,14 @@ class FamilySpec:
     unpack_output: UnpackOutput
     # sigmas (B,) -> the ``timestep`` the pipeline passes to the transformer.
     timestep_from_sigma: Callable[[torch.Tensor], torch.Tensor]
-    # Per-sample latent shape (C, ...) of the primary stream -> the ``image_seq_len`` the pipeline's dynamic shift uses.
-    shift_seq_len: Callable[[Sequence[int]], int]
+    # Per-sample latent shapes of the noised streams + the transformer config -> transformer tokens (see
+    # tokens_per_sample).
+    count_tokens: CountTokens
     # Cache keys build_inputs reads (besides the noisy streams); optional keys are not listed.
     batch_keys: tuple[str, ...]
+    # Per-sample latent shape (C, ...) of the primary stream -> the ``image_seq_len`` the pipeline's dynamic shift uses
+    # (None: the shift is static and does not depend on the resolution).
+    shift_seq_len: Callable[[Sequence[int]], int] | None = None
     # False only where the family has a text mask that can't be fed under context parallelism (the processor turns it
     # into a per-head mask Ulysses can't shard): the trainer passes ``None`` instead (see forward_kwargs).
     text_mask_fed_in_cp: bool = True
@@ -144,22 +152,15 @@ class FamilySpec:
     shared_text_length: bool = False
     # +1: the transformer predicts ``noise - x0`` (diffusers flow matching); -1: it predicts ``x0 - noise``.
     velocity_sign: float = 1.0
-    # Other components the data pipeline needs (subfolder -> class), e.g. an image encoder or an audio VAE.
-    extra_components: Mapping[str, str] = field(default_factory=frozen)
-    # Family constants (pipeline defaults, VAE compression ratios, ...) used by build_inputs.
-    constants: Mapping[str, Any] = field(default_factory=frozen)
-    # Stem of the CP plan file in cp_plans/.
-    cp_plan: str = ""
-    # What this spec does not cover (documentation).
-    notes: str = ""
 
     def __post_init__(self) -> None:
         if self.latent_kind not in ("image", "video"):
             raise ValueError(f"latent_kind must be 'image' or 'video', got {self.latent_kind!r}")
         if PRIMARY_STREAM in self.extra_streams:
             raise ValueError(f"{PRIMARY_STREAM!r} is the primary stream, not an extra one")
-        if not self.cp_plan:
-            object.__setattr__(self, "cp_plan", self.name)
+        shifts = (self.shift, *self.extra_streams.values())
+        if self.shift_seq_len is None and any(s.kind == "dynamic" for s in shifts):
+            raise ValueError(f"{self.name}: a dynamic shift needs shift_seq_len")
 
     # Streams -----------------------------------------------------------------------------------------------------
 
@@ -175,9 +176,20 @@ class FamilySpec:
             raise KeyError(f"{self.name}: unknown stream {stream!r}; streams are {self.streams}")
         return self.extra_streams[stream]
 
-    def image_seq_len(self, latents_shape: Sequence[int]) -> int:
-        """``image_seq_len`` for the dynamic shift, from the per-sample shape (C, ...) of the primary latents."""
-        return int(self.shift_seq_len(tuple(latents_shape)))
+    def image_seq_len(self, latents_shape: Sequence[int]) -> int | None:
+        """``image_seq_len`` for the dynamic shift, from the per-sample shape (C, ...) of the primary latents; None for
+        a static shift (it does not depend on the resolution)."""
+        return None if self.shift_seq_len is None else int(self.shift_seq_len(tuple(latents_shape)))
+
+    def tokens_per_sample(self, latents_shapes: Mapping[str, Sequence[int]], model_config: Mapping[str, Any]) -> int:
+        """Transformer tokens of one sample: the noised streams after patching, from their per-sample shapes (C, ...).
+
+        Video/image latents count their tokens after the transformer's patch size (Flux's 2x2 packing, Wan's 1x2x2
+        patches, ...), MiniMax-H3 adds its audio rows. Text tokens are not counted: they are conditioning, their
+        length is set by the tokenizer and padding rather than by the data, and some families never split them under
+        CP. This is the throughput metric's unit (``transformer_tokens_per_s``).
+        """
+        return int(self.count_tokens({k: tuple(v) for k, v in latents_shapes.items()}, model_config))
 
     # Forward / output --------------------------------------------------------------------------------------------
 
@@ -278,15 +290,14 @@ def one_minus_sigma(sigmas: torch.Tensor) -> torch.Tensor:
     return 1.0 - sigmas
 
 
-def matches_lora_target(module_name: str, target: str) -> bool:
-    """Whether peft's ``target_modules=[target]`` selects ``module_name`` (exact name or ``.``-suffix match)."""
-    from peft.tuners.tuners_utils import check_target_module_exists
-
-    return bool(check_target_module_exists(_lora_config((target,)), module_name))
-
-
-@functools.lru_cache(maxsize=64)
-def _lora_config(targets: tuple[str, ...]):
-    from peft import LoraConfig
-
-    return LoraConfig(target_modules=list(targets))
+def patched_tokens(latents_shape: Sequence[int], patch_size: Sequence[int] | int) -> int:
+    """Tokens of one sample's (C, *grid) latents cut into ``patch_size`` patches (one size per grid axis, or one for
+    every axis)."""
+    grid = tuple(latents_shape[1:])
+    patch = (patch_size,) * len(grid) if isinstance(patch_size, int) else tuple(patch_size)
+    if len(patch) != len(grid):
+        raise ValueError(f"patch size {patch} does not fit the latent grid {grid}")
+    tokens = 1
+    for size, p in zip(grid, patch, strict=True):
+        tokens *= int(size) // int(p)
+    return tokens

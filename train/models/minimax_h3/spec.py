@@ -1,24 +1,4 @@
-"""MiniMax-H3 text-to-video+audio (MiniMaxH3Transformer3DModel / MiniMaxH3ModularPipeline, `t2va` workflow).
-
-MiniMax-H3 denoises one packed sequence ``[text | audio | video]`` with full self-attention, and two streams at once:
-the video latents (primary ``"latents"`` stream) and the audio latents (``"audio_latents"`` stream, its own shift).
-
-Cache: ``latents`` (C, F, H, W) video latents of AutoencoderKLMiniMaxH3 (24 channels, ``17n + 5`` pixel frames ->
-``5n + 2`` latent frames); ``audio_latents`` (2, 32, N): the stereo soundtrack's AutoencoderKLMiniMaxH3Audio latents,
-one row per stereo channel (the ``(audio_channels, latent_channels, num_audio_latents)`` layout the pipeline's
-``audio_latents`` input takes); ``prompt_embeds`` (L, 5120) Qwen3-VL ``hidden_states[50]`` (no padding: the packed
-sequence is unpadded); optional ``text_token_tags`` (L,) (1 = text, 0 = vision rows of a keyframe block; default all
-text) and ``prompt_mask`` (L,) (only to drop padding of a cache padded to a common length: every sample must keep the
-same positions).
-
-Forward kwargs, as the modular pipeline's denoising loop (``MiniMaxH3LoopDenoiser``): ``hidden_states`` video
-rows (``patchify_video_latents``), ``audio_hidden_states`` channel-major audio rows, ``encoder_hidden_states``, and the
-layout of ``MiniMaxH3PrepareLayoutStep.build_packed_sequence`` (``position_ids``, ``token_tags``, ``video_indices``,
-``audio_indices``, ``text_indices``) plus ``MiniMaxH3SetTimestepsStep.build_row_timesteps`` (``timestep`` = the distinct
-``t = 1 - sigma`` values, ``timestep_indices`` per row). The layout and timesteps describe one packed sequence every
-batch item shares, so all samples of a batch share their shapes, their text length and one sigma per stream
-(``shared_timestep=True``). The transformer predicts a data-ward velocity ``x0 - noise`` (``velocity_sign=-1``).
-"""
+"""MiniMax-H3's training spec: the packed [text | audio | video] layout and per-row timesteps of its t2va loop."""
 
 from __future__ import annotations
 
@@ -40,7 +20,15 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
 )
 from diffusers.utils.torch_utils import maybe_adjust_dtype_for_device
 
-from .spec import FamilySpec, ShiftSpec, frozen, one_minus_sigma, output_tensors, uniform_value
+from train.models.spec import (
+    FamilySpec,
+    ShiftSpec,
+    frozen,
+    one_minus_sigma,
+    output_tensors,
+    patched_tokens,
+    uniform_value,
+)
 
 # MiniMaxH3Scheduler defaults of the two schedulers the pipeline holds (`scheduler`, `audio_scheduler`).
 VIDEO_SCHEDULER_CONFIG = frozen(shift=12.0)
@@ -166,9 +154,10 @@ def unpack_output(
     }
 
 
-def shift_seq_len(latents_shape: Sequence[int]) -> int:
-    _, frames, height, width = latents_shape
-    return frames * height * width  # unused: the shifts are static
+def count_tokens(latents_shapes: Mapping[str, tuple[int, ...]], model_config: Mapping[str, Any]) -> int:
+    """Video rows after the patch plus audio rows (one per stereo channel and audio latent), per sample."""
+    audio_channels, _, num_audio_latents = latents_shapes["audio_latents"]
+    return patched_tokens(latents_shapes["latents"], _patch_size(model_config)) + audio_channels * num_audio_latents
 
 
 SPEC = FamilySpec(
@@ -176,7 +165,6 @@ SPEC = FamilySpec(
     transformer_class="MiniMaxH3Transformer3DModel",
     pipeline_class="MiniMaxH3ModularPipeline",
     vae_class="AutoencoderKLMiniMaxH3",
-    text_encoders=("text_encoder",),
     latent_kind="video",
     # Attention projections of the main blocks and of the text token refiner.
     lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
@@ -197,17 +185,9 @@ SPEC = FamilySpec(
     build_inputs=build_inputs,
     unpack_output=unpack_output,
     timestep_from_sigma=one_minus_sigma,
-    shift_seq_len=shift_seq_len,
+    count_tokens=count_tokens,
     batch_keys=("latents", "audio_latents", "prompt_embeds"),
     shared_timestep=True,
     shared_text_length=True,
     velocity_sign=-1.0,
-    extra_components=frozen(audio_vae="AutoencoderKLMiniMaxH3Audio", processor="Qwen3VLProcessor"),
-    constants=frozen(fps=24, audio_channels=MINIMAX_H3_AUDIO_CHANNELS, keyframe_noise_aug=KEYFRAME_NOISE_AUG),
-    notes=(
-        "Only the text-to-video+audio (t2va) layout: keyframe (fl2va) and reference (ref2va, transformer_ref/) "
-        "conditioning rows are not built. One sigma per stream per batch (the transformer shares one timestep layout "
-        "across the batch); the audio sigma is the video's base draw through the audio shift, as the pipeline steps "
-        "both schedules over the same base grid."
-    ),
 )

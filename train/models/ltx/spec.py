@@ -1,18 +1,4 @@
-"""LTX-Video (LTXVideoTransformer3DModel / LTXPipeline).
-
-Cache: ``latents`` (C, F, H, W) as LTXPipeline normalises them (``LTXPipeline._normalize_latents`` with the VAE's
-latents mean/std and scaling factor); ``prompt_embeds`` (128, 4096) T5 states with ``prompt_mask`` (128,) bool.
-Optional ``frame_rate`` (per sample, all equal in a batch) overrides the pipeline's default 25 fps.
-
-Forward kwargs, as LTXPipeline's denoising loop: ``hidden_states`` (``LTXPipeline._pack_latents``),
-``encoder_hidden_states``, ``encoder_attention_mask``, ``num_frames`` / ``height`` / ``width`` (post-patch latent grid),
-``rope_interpolation_scale = (vae_temporal_compression / frame_rate, vae_spatial_compression,
-vae_spatial_compression)``, ``timestep = sigma * 1000``.
-
-Context parallelism: LTXVideoAttnProcessor turns the text mask into a per-head mask Ulysses can't shard, so the mask
-is not fed under CP (``text_mask_fed_in_cp=False``); :meth:`FamilySpec.forward_kwargs` then cuts the text to the
-longest unpadded prompt instead.
-"""
+"""LTX-Video's training spec: packed latents, the post-patch grid and the rope interpolation scale."""
 
 from __future__ import annotations
 
@@ -22,7 +8,15 @@ from typing import Any
 import torch
 from diffusers.pipelines.ltx.pipeline_ltx import LTXPipeline, calculate_shift
 
-from .spec import FamilySpec, ShiftSpec, frozen, output_tensors, sigma_times_1000, uniform_value
+from train.models.spec import (
+    FamilySpec,
+    ShiftSpec,
+    frozen,
+    output_tensors,
+    patched_tokens,
+    sigma_times_1000,
+    uniform_value,
+)
 
 # Lightricks/LTX-Video (0.9.1) scheduler/scheduler_config.json (relevant keys).
 SCHEDULER_CONFIG = frozen(
@@ -96,12 +90,16 @@ def shift_seq_len(latents_shape: Sequence[int]) -> int:
     return frames * height * width  # LTXPipeline: latent_num_frames * latent_height * latent_width
 
 
+def count_tokens(latents_shapes: Mapping[str, tuple[int, ...]], model_config: Mapping[str, Any]) -> int:
+    patch_size, patch_size_t = _patch_sizes(model_config)
+    return patched_tokens(latents_shapes["latents"], (patch_size_t, patch_size, patch_size))
+
+
 SPEC = FamilySpec(
     name="ltx",
     transformer_class="LTXVideoTransformer3DModel",
     pipeline_class="LTXPipeline",
     vae_class="AutoencoderKLLTXVideo",
-    text_encoders=("text_encoder",),
     latent_kind="video",
     # Self- and cross-attention projections (`attn1` / `attn2`), as the diffusers/finetrainers LTX LoRA recipes.
     lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
@@ -109,14 +107,9 @@ SPEC = FamilySpec(
     build_inputs=build_inputs,
     unpack_output=unpack_output,
     timestep_from_sigma=sigma_times_1000,
+    count_tokens=count_tokens,
     shift_seq_len=shift_seq_len,
     batch_keys=("latents", "prompt_embeds", "prompt_mask"),
     text_mask_fed_in_cp=False,
     text_mask_kwarg="encoder_attention_mask",
-    constants=frozen(
-        vae_spatial_compression=VAE_SPATIAL_COMPRESSION,
-        vae_temporal_compression=VAE_TEMPORAL_COMPRESSION,
-        frame_rate=FRAME_RATE,
-    ),
-    notes="Image/video-conditioned LTX (LTXImageToVideoPipeline, LTXConditionPipeline) is not covered.",
 )

@@ -1,14 +1,4 @@
-"""Qwen-Image (QwenImageTransformer2DModel / QwenImagePipeline).
-
-Cache: ``latents`` (C, 1, H, W) as QwenImagePipeline normalises them (``(z - latents_mean) / latents_std`` of
-AutoencoderKLQwenImage, whose latents carry a frame axis of 1); ``prompt_embeds`` (L, 3584) with ``prompt_mask`` (L,)
-bool, as ``encode_prompt`` returns them (template prefix dropped, right-padded).
-
-Forward kwargs, as QwenImagePipeline's denoising loop: ``hidden_states`` packed 2x2 (``QwenImagePipeline._pack_latents``
-on the (B, 1, C, H, W) layout the pipeline uses), ``img_shapes = [[(1, H/2, W/2)]] * B``,
-``encoder_hidden_states_mask`` (``None`` when nothing is padded, as ``encode_prompt`` does), ``guidance``
-(``guidance_embeds`` checkpoints only), ``timestep = sigma``.
-"""
+"""Qwen-Image's training spec: 2x2-packed latents, image shapes for the rope, the text key-padding mask."""
 
 from __future__ import annotations
 
@@ -18,7 +8,7 @@ from typing import Any
 import torch
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline, calculate_shift
 
-from .spec import FamilySpec, ShiftSpec, frozen, output_tensors, sigma_identity
+from train.models.spec import FamilySpec, ShiftSpec, frozen, output_tensors, patched_tokens, sigma_identity
 
 # Qwen/Qwen-Image scheduler/scheduler_config.json (relevant keys).
 SCHEDULER_CONFIG = frozen(
@@ -32,6 +22,16 @@ SCHEDULER_CONFIG = frozen(
     shift_terminal=0.02,
     time_shift_type="exponential",
 )
+
+
+def unused_params(model_config: Mapping[str, Any]) -> tuple[str, ...]:
+    """Regexes (``re.fullmatch`` on parameter names) of the parameters the forward never uses: the last block's text
+    output path (see the package docstring)."""
+    last = int(model_config["num_layers"]) - 1
+    return (
+        rf"transformer_blocks\.{last}\.attn\.(add_q_proj|norm_added_q|to_add_out)\..*",
+        rf"transformer_blocks\.{last}\.txt_mlp\..*",
+    )
 
 
 def build_inputs(
@@ -74,12 +74,15 @@ def shift_seq_len(latents_shape: Sequence[int]) -> int:
     return (height // 2) * (width // 2)
 
 
+def count_tokens(latents_shapes: Mapping[str, tuple[int, ...]], model_config: Mapping[str, Any]) -> int:
+    return patched_tokens(latents_shapes["latents"], (1, 2, 2))  # (1, H, W) grid, 2x2 packing
+
+
 SPEC = FamilySpec(
     name="qwenimage",
     transformer_class="QwenImageTransformer2DModel",
     pipeline_class="QwenImagePipeline",
     vae_class="AutoencoderKLQwenImage",
-    text_encoders=("text_encoder",),
     latent_kind="image",
     # train_dreambooth_lora_qwen_image.py default `--lora_layers`.
     lora_targets=("to_k", "to_q", "to_v", "to_out.0"),
@@ -87,10 +90,9 @@ SPEC = FamilySpec(
     build_inputs=build_inputs,
     unpack_output=unpack_output,
     timestep_from_sigma=sigma_identity,
+    count_tokens=count_tokens,
     shift_seq_len=shift_seq_len,
     batch_keys=("latents", "prompt_embeds", "prompt_mask"),
     text_mask_fed_in_cp=True,  # a (B, 1, 1, S) joint mask, broadcast over heads: Ulysses can shard it
     text_mask_kwarg="encoder_hidden_states_mask",
-    constants=frozen(vae_scale_factor=8),
-    notes="Qwen-Image-Edit (reference-image latents, zero_cond_t) is not covered.",
 )

@@ -1,14 +1,4 @@
-"""FLUX.2 (Flux2Transformer2DModel / Flux2Pipeline).
-
-Cache: ``latents`` (C, H, W) as Flux2Pipeline normalises them: the VAE latents 2x2-patchified
-(``Flux2Pipeline._patchify_latents``, 128 channels) and then batch-norm normalised with the VAE's running stats;
-``prompt_embeds`` (L, D) Mistral hidden states (stacked layers). Flux2Pipeline passes no text mask. Optional
-``guidance`` overrides the default guidance scale.
-
-Forward kwargs, as Flux2Pipeline's denoising loop (text-to-image, no reference images): ``hidden_states``
-(``Flux2Pipeline._pack_latents``), ``img_ids`` (``_prepare_latent_ids``), ``txt_ids`` (``_prepare_text_ids``),
-``guidance`` (``guidance_embeds`` checkpoints; Klein checkpoints have none), ``timestep = sigma``.
-"""
+"""FLUX.2's training spec: packed (already 2x2-patchified) latents, 4-axis position ids and the guidance embedding."""
 
 from __future__ import annotations
 
@@ -19,7 +9,7 @@ from typing import Any
 import torch
 from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline, compute_empirical_mu
 
-from .spec import FamilySpec, ShiftSpec, frozen, output_tensors, sigma_identity
+from train.models.spec import FamilySpec, ShiftSpec, frozen, output_tensors, patched_tokens, sigma_identity
 
 # black-forest-labs/FLUX.2-dev scheduler/scheduler_config.json (relevant keys). Flux2Pipeline ignores the base/max
 # shift keys and computes mu with `compute_empirical_mu(image_seq_len, num_inference_steps)`.
@@ -81,12 +71,15 @@ def shift_seq_len(latents_shape: Sequence[int]) -> int:
     return height * width
 
 
+def count_tokens(latents_shapes: Mapping[str, tuple[int, ...]], model_config: Mapping[str, Any]) -> int:
+    return patched_tokens(latents_shapes["latents"], 1)  # the cache is already 2x2-patchified: one token per position
+
+
 SPEC = FamilySpec(
     name="flux2",
     transformer_class="Flux2Transformer2DModel",
     pipeline_class="Flux2Pipeline",
     vae_class="AutoencoderKLFlux2",
-    text_encoders=("text_encoder",),
     latent_kind="image",
     # train_dreambooth_lora_flux2.py default `--lora_layers` (double-stream attention; single-stream blocks use a fused
     # `to_qkv_mlp_proj`).
@@ -102,11 +95,7 @@ SPEC = FamilySpec(
     build_inputs=build_inputs,
     unpack_output=unpack_output,
     timestep_from_sigma=sigma_identity,
+    count_tokens=count_tokens,
     shift_seq_len=shift_seq_len,
     batch_keys=("latents", "prompt_embeds"),
-    constants=frozen(guidance_scale=GUIDANCE_SCALE, num_inference_steps=NUM_INFERENCE_STEPS),
-    notes=(
-        "Reference-image (image-to-image / multi-reference) conditioning is not covered. The dynamic shift's mu "
-        "depends on the inference step count in Flux2Pipeline; training uses the pipeline default (50)."
-    ),
 )

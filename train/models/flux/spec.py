@@ -1,13 +1,4 @@
-"""FLUX.1 (FluxTransformer2DModel / FluxPipeline).
-
-Cache: ``latents`` (C, H, W) as FluxPipeline normalises them (``(z - shift_factor) * scaling_factor``, 16 channels,
-H and W even), ``prompt_embeds`` (L, 4096) T5, ``pooled_embeds`` (768,) CLIP pooled. Optional ``guidance`` (scalar per
-sample) overrides the pipeline's default guidance scale for guidance-distilled checkpoints.
-
-Forward kwargs, as FluxPipeline's denoising loop passes them (minus CFG): ``hidden_states`` packed 2x2
-(``FluxPipeline._pack_latents``), ``img_ids`` (``FluxPipeline._prepare_latent_image_ids``), ``txt_ids`` (zeros, as
-``encode_prompt``), ``pooled_projections``, ``guidance`` (``guidance_embeds`` checkpoints), ``timestep = sigma``.
-"""
+"""FLUX.1's training spec: 2x2-packed latents, position ids, pooled CLIP embeddings and the guidance embedding."""
 
 from __future__ import annotations
 
@@ -17,7 +8,7 @@ from typing import Any
 import torch
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift
 
-from .spec import FamilySpec, ShiftSpec, frozen, output_tensors, sigma_identity
+from train.models.spec import FamilySpec, ShiftSpec, frozen, output_tensors, patched_tokens, sigma_identity
 
 # black-forest-labs/FLUX.1-dev scheduler/scheduler_config.json
 SCHEDULER_CONFIG = frozen(
@@ -75,12 +66,15 @@ def shift_seq_len(latents_shape: Sequence[int]) -> int:
     return (height // 2) * (width // 2)
 
 
+def count_tokens(latents_shapes: Mapping[str, tuple[int, ...]], model_config: Mapping[str, Any]) -> int:
+    return patched_tokens(latents_shapes["latents"], 2)  # FluxPipeline packs 2x2 latent pixels per token
+
+
 SPEC = FamilySpec(
     name="flux",
     transformer_class="FluxTransformer2DModel",
     pipeline_class="FluxPipeline",
     vae_class="AutoencoderKL",
-    text_encoders=("text_encoder", "text_encoder_2"),
     latent_kind="image",
     # train_dreambooth_lora_flux.py default `--lora_layers`.
     lora_targets=("to_k", "to_q", "to_v", "to_out.0"),
@@ -88,9 +82,8 @@ SPEC = FamilySpec(
     build_inputs=build_inputs,
     unpack_output=unpack_output,
     timestep_from_sigma=sigma_identity,
+    count_tokens=count_tokens,
     shift_seq_len=shift_seq_len,
     batch_keys=("latents", "prompt_embeds", "pooled_embeds"),
     # No text mask: FluxPipeline lets the T5 padding tokens be attended.
-    constants=frozen(guidance_scale=GUIDANCE_SCALE, vae_scale_factor=8),
-    notes="FLUX.1 Kontext / Fill / controlnet inputs are not covered.",
 )

@@ -1,16 +1,4 @@
-"""ChronoEdit (ChronoEditTransformer3DModel / ChronoEditPipeline): Wan image-to-video used as an image editor.
-
-Cache: ``latents`` (C, F, H, W) target video latents normalised as the pipeline does (AutoencoderKLWan mean/std; the
-input image is frame 0, the edited image the last frame); ``condition_latents`` (C, F, H, W): the normalised VAE
-latents of the conditioning video ``[input image, zeros...]`` (what ``ChronoEditPipeline.prepare_latents`` encodes);
-``image_embeds`` (257, 1280): CLIP vision ``hidden_states[-2]`` of the input image (``encode_image``);
-``prompt_embeds`` (512, 4096) UMT5 states, zero-padded to 512 as ``encode_prompt`` returns them (no text mask; the Wan
-processors require exactly 512 text tokens when image embeddings are prepended).
-
-Forward kwargs, as ChronoEditPipeline's denoising loop: ``hidden_states = cat([latents, mask, condition_latents],
-dim=1)`` where ``mask`` (B, 4, F, H, W) is the first-frame mask ``prepare_latents`` builds (1 on latent frame 0, 0
-elsewhere), ``encoder_hidden_states``, ``encoder_hidden_states_image``, ``timestep = sigma * 1000``.
-"""
+"""ChronoEdit's training spec: Wan's, with the first-frame mask and the condition latents concatenated in channels."""
 
 from __future__ import annotations
 
@@ -19,8 +7,8 @@ from typing import Any
 
 import torch
 
-from . import wan
-from .spec import FamilySpec, ShiftSpec, frozen, output_tensors, sigma_times_1000
+from train.models.spec import FamilySpec, ShiftSpec, frozen, output_tensors, sigma_times_1000
+from train.models.wan.spec import count_tokens
 
 # UniPC with flow sigmas like Wan; the official ChronoEdit inference (nv-tlabs/ChronoEdit
 # scripts/run_inference_diffusers.py) sets `flow_shift=5.0` (720p).
@@ -76,7 +64,6 @@ SPEC = FamilySpec(
     transformer_class="ChronoEditTransformer3DModel",
     pipeline_class="ChronoEditPipeline",
     vae_class="AutoencoderKLWan",
-    text_encoders=("text_encoder",),
     latent_kind="video",
     # Wan attention projections; `attn2.add_k_proj` / `add_v_proj` (image K/V) stay frozen, as in the Wan I2V recipes.
     lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
@@ -89,12 +76,6 @@ SPEC = FamilySpec(
     build_inputs=build_inputs,
     unpack_output=unpack_output,
     timestep_from_sigma=sigma_times_1000,
-    shift_seq_len=wan.shift_seq_len,
+    count_tokens=count_tokens,  # the noised latents' tokens (the condition channels ride along in the same tokens)
     batch_keys=("latents", "prompt_embeds", "condition_latents", "image_embeds"),
-    extra_components=frozen(image_encoder="CLIPVisionModel", image_processor="CLIPImageProcessor"),
-    constants=frozen(vae_scale_factor_temporal=VAE_SCALE_FACTOR_TEMPORAL, vae_scale_factor_spatial=8),
-    notes=(
-        "Temporal-reasoning inference (dropping intermediate frames mid-schedule) is an inference-time procedure and "
-        "has no training counterpart here. The loss covers every latent frame, including frame 0 (the input image)."
-    ),
 )

@@ -1,0 +1,173 @@
+"""The data encoder base: how a family's diffusers pipeline turns pixels and captions into the tensors the cache stores.
+
+Each family subclasses `FamilyEncoder` in `train/models/<family>/encoder.py`. An encoder loads the VAE and text
+encoder(s) from a pipeline folder (or hub id) with the family's pipeline class, exactly as the pipeline loads them
+(subfolders, tokenizers, configs; the transformer is not loaded), and encodes with the pipeline's own helpers and
+normalisation, so cached tensors are what the pipeline would compute at inference. The cache layout each family's
+trainer reads is documented in its package docstring; its encoder writes exactly those keys.
+
+`z` is the VAE posterior sampled with a per-item generator (`mode="sample"`, as the pipelines' own `retrieve_latents`
+does by default) or its mean (`mode="mode"`). The per-family size rules (`Geometry`) come from the same VAE (and
+transformer patch) configs, read without loading weights.
+"""
+
+from __future__ import annotations
+
+import functools
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+
+from train.data.media import Geometry
+
+__all__ = ["FamilyEncoder", "SampleMode", "mean_std_normalise", "transformer_patch"]
+
+SampleMode = Literal["sample", "mode"]
+
+
+def retrieve(encoder_output: Any, generator: torch.Generator | None, mode: SampleMode) -> torch.Tensor:
+    """The pipelines' `retrieve_latents`: a posterior sample drawn with `generator`, or its mean."""
+    from diffusers.pipelines.wan.pipeline_wan_video2video import retrieve_latents
+
+    return retrieve_latents(encoder_output, generator=generator, sample_mode="sample" if mode == "sample" else "argmax")
+
+
+def transformer_patch(config: Mapping[str, Any] | None, key: str, default: Any) -> Any:
+    """A transformer config value (e.g. its patch size), or the family default when the config is unknown."""
+    return default if config is None else config.get(key, default)
+
+
+def mean_std_normalise(z: torch.Tensor, latents_mean, latents_std) -> torch.Tensor:
+    """``(z - mean) * (1 / std)`` per channel of (B, C, ...) latents, as the Wan-VAE pipelines normalise them."""
+    shape = (1, len(latents_mean)) + (1,) * (z.ndim - 2)
+    mean = torch.tensor(latents_mean).view(shape).to(z.device, z.dtype)
+    inv_std = 1.0 / torch.tensor(latents_std).view(shape).to(z.device, z.dtype)
+    return (z - mean) * inv_std
+
+
+class FamilyEncoder(ABC):
+    """Base: loading, geometry lookup and the shared VAE/text plumbing; subclasses hold the family's recipe.
+
+    Subclasses set the class attributes and implement `_geometry`, `encode_text` and `encode_media`.
+    """
+
+    name: str = ""
+    default_text_tokens: int = 512
+    """Text length when data.max_text_tokens is null (the pipeline's __call__ default max_sequence_length)."""
+    fixed_text_tokens: int | None = None
+    """A text length the family requires whatever the recipe says (ChronoEdit: 512), or None."""
+    default_geometry: Geometry
+
+    def __init__(self) -> None:
+        self.pipe: Any = None
+        self.device = torch.device("cpu")
+
+    # ----------------------------------------------------------------------------------------------------- facts
+
+    @functools.cached_property
+    def spec(self):
+        from train.models import get_family
+
+        return get_family(self.name)
+
+    def text_tokens(self, max_text_tokens: int | None) -> int | None:
+        if self.fixed_text_tokens is not None:
+            if max_text_tokens not in (None, self.fixed_text_tokens):
+                raise ValueError(
+                    f"data.max_text_tokens: {self.name} needs exactly {self.fixed_text_tokens} text tokens (its "
+                    f"attention processors split image and text context at that length), got {max_text_tokens}; "
+                    "set it to null"
+                )
+            return self.fixed_text_tokens
+        return self.default_text_tokens if max_text_tokens is None else max_text_tokens
+
+    def geometry(self, pretrained_path: str | None, revision: str | None = None, subfolder: str = "transformer"):
+        """Size rules from the pipeline's VAE/transformer configs (no weights read); family defaults without a path."""
+        if pretrained_path is None:
+            return self.default_geometry
+        import diffusers
+
+        vae_cls = getattr(diffusers, self.spec.vae_class)
+        try:
+            vae_config = vae_cls.load_config(pretrained_path, subfolder="vae", revision=revision)
+        except OSError as e:  # offline / not downloaded yet: the family's published strides (loading fails later)
+            d = self.default_geometry
+            why = f"family defaults; {pretrained_path}/vae config unreadable: {str(e).splitlines()[0][:160]}"
+            return Geometry(d.family, d.latent_kind, d.spatial_multiple, d.frame_period, d.frame_offset, source=why)
+        try:
+            tr_cls = getattr(diffusers, self.spec.transformer_class)
+            tr_config = tr_cls.load_config(pretrained_path, subfolder=subfolder, revision=revision)
+        except (OSError, ValueError):
+            tr_config = None  # a folder without the transformer: the family's patch size
+        g = self._geometry(vae_config, tr_config)
+        return Geometry(self.name, self.spec.latent_kind, g[0], g[1], g[2], source=str(pretrained_path))
+
+    @abstractmethod
+    def _geometry(self, vae_config: Mapping[str, Any], tr_config: Mapping[str, Any] | None) -> tuple[int, int, int]:
+        """(spatial_multiple, frame_period, frame_offset) from the configs."""
+
+    # ---------------------------------------------------------------------------------------------------- loading
+
+    def load(
+        self,
+        pretrained_path: str,
+        *,
+        revision: str | None = None,
+        device: torch.device | str = "cpu",
+        text_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """Load the pipeline minus its transformer(s): VAE (and image encoder) in fp32, text encoders in text_dtype."""
+        import diffusers
+        from diffusers.utils import logging as dlogging
+        from transformers.utils import logging as tlogging
+
+        dlogging.disable_progress_bar()
+        tlogging.disable_progress_bar()
+        pipeline_cls = getattr(diffusers, self.spec.pipeline_class)
+        index = pipeline_cls.load_config(pretrained_path, revision=revision)
+        skip = {k: None for k in index if k.startswith("transformer") and not k.startswith("_")}
+        dtype = {"default": text_dtype, "vae": torch.float32, "image_encoder": torch.float32}
+        self.pipe = pipeline_cls.from_pretrained(pretrained_path, revision=revision, dtype=dtype, **skip)
+        self.device = torch.device(device)
+        self.pipe.to(self.device)
+
+    # ------------------------------------------------------------------------------------------------ encoding
+
+    @abstractmethod
+    def encode_text(self, caption: str, max_tokens: int | None) -> dict[str, torch.Tensor]:
+        """prompt_embeds (L, D), prompt_mask (L,) bool, and pooled_embeds (D2,) where the family has one."""
+
+    @abstractmethod
+    def encode_media(
+        self, pixels: torch.Tensor, generator: torch.Generator | None, mode: SampleMode, fps: float | None
+    ) -> dict[str, torch.Tensor]:
+        """latents (and the family's other media tensors) from pixels (3, F, H, W) in [-1, 1]."""
+
+    def load_extra(self, src: Any, info: Any, bucket: Any, fps: float | None) -> Any:
+        """Media the family needs besides the frames (MiniMax-H3: the soundtrack), decoded in prepare's loader
+        threads after `load_clip`; may raise BadMediaError. None for the families that need nothing more."""
+        return None
+
+    def encode_extra(
+        self, extra: Any, generator: torch.Generator | None, mode: SampleMode, fps: float | None
+    ) -> dict[str, torch.Tensor]:
+        """Cache tensors of what `load_extra` returned (after `encode_media`, with the same generator)."""
+        return {}
+
+    def _vae_encode(self, x: torch.Tensor, generator: torch.Generator | None, mode: SampleMode) -> torch.Tensor:
+        vae = self.pipe.vae
+        return retrieve(vae.encode(x.to(self.device, vae.dtype)), generator, mode)
+
+    def _t5_mask(self, tokenizer: Any, text: str, max_tokens: int) -> torch.Tensor:
+        ids = tokenizer(
+            [text],
+            padding="max_length",
+            max_length=max_tokens,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        return ids.attention_mask[0].bool()

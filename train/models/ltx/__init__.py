@@ -1,0 +1,23 @@
+"""LTX-Video (LTXVideoTransformer3DModel / LTXPipeline).
+
+Cache: ``latents`` (C, F, H, W) as LTXPipeline normalises them (``LTXPipeline._normalize_latents`` with the VAE's
+latents mean/std and scaling factor); ``prompt_embeds`` (128, 4096) T5 states with ``prompt_mask`` (128,) bool;
+``frame_rate`` (per sample, all equal in a batch; optional, default the pipeline's 25 fps).
+
+Forward kwargs, as LTXPipeline's denoising loop: ``hidden_states`` (``LTXPipeline._pack_latents``),
+``encoder_hidden_states``, ``encoder_attention_mask``, ``num_frames`` / ``height`` / ``width`` (post-patch latent grid),
+``rope_interpolation_scale = (vae_temporal_compression / frame_rate, vae_spatial_compression,
+vae_spatial_compression)``, ``timestep = sigma * 1000``.
+
+Context parallelism: LTXVideoAttnProcessor turns the text mask into a per-head mask Ulysses can't shard, so the mask
+is not fed under CP (``text_mask_fed_in_cp=False``); :meth:`FamilySpec.forward_kwargs` then cuts the text to the
+longest unpadded prompt instead.
+
+Not covered: image/video-conditioned LTX (LTXImageToVideoPipeline, LTXConditionPipeline).
+"""
+
+from .encoder import LTXEncoder as Encoder
+from .spec import SPEC
+from .tiny import TINY_CONFIG, build_tiny
+
+__all__ = ["SPEC", "TINY_CONFIG", "Encoder", "build_tiny"]

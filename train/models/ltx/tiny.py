@@ -1,0 +1,60 @@
+"""LTX-Video's tiny transformer config and tiny LTXPipeline (T5 text encoder, AutoencoderKLLTXVideo with 8 latent
+channels and the released x32 spatial / 8k+1 temporal compression)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from train.models.tiny import HEAD_DIM, INNER_DIM, NUM_HEADS, TEXT_DIM, t5_encoder, t5_tokenizer
+
+TINY_CONFIG: dict[str, Any] = dict(
+    in_channels=8,
+    out_channels=8,
+    patch_size=1,
+    patch_size_t=1,
+    num_attention_heads=NUM_HEADS,
+    attention_head_dim=HEAD_DIM,
+    cross_attention_dim=INNER_DIM,  # cross-attention K/V come from caption_projection (-> inner dim)
+    num_layers=2,
+    caption_channels=TEXT_DIM,
+    qk_norm="rms_norm_across_heads",
+)
+
+
+def build_tiny(path: Path) -> None:
+    from diffusers import (
+        AutoencoderKLLTXVideo,
+        FlowMatchEulerDiscreteScheduler,
+        LTXPipeline,
+        LTXVideoTransformer3DModel,
+    )
+
+    z = TINY_CONFIG["in_channels"]
+    vae = AutoencoderKLLTXVideo(
+        latent_channels=z,
+        block_out_channels=(8, 8, 8, 8),
+        decoder_block_out_channels=(8, 8, 8, 8),
+        layers_per_block=(1, 1, 1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1, 1, 1),
+        spatio_temporal_scaling=(True, True, True, False),
+        decoder_spatio_temporal_scaling=(True, True, True, False),
+        decoder_inject_noise=(False, False, False, False, False),
+        patch_size=4,
+        patch_size_t=1,
+        scaling_factor=0.75,
+    )
+    with torch.no_grad():
+        vae.latents_mean.copy_(torch.linspace(-0.3, 0.3, z))
+        vae.latents_std.copy_(torch.linspace(0.5, 2.0, z))
+    tok = t5_tokenizer(max_length=128)
+    pipe = LTXPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=t5_encoder(len(tok)),
+        tokenizer=tok,
+        transformer=LTXVideoTransformer3DModel(**TINY_CONFIG),
+    )
+    pipe.save_pretrained(path)

@@ -1,0 +1,95 @@
+"""Tiny components several families' tiny pipelines share: sizes, tokenizers, text encoders, the Wan VAE.
+
+Each family's `tiny.py` holds its tiny transformer config (`TINY_CONFIG`: 7 heads, divisible by none of the CP degrees
+2, 3 and 4, of dim 8, 1-2 layers; what `recipes/tiny/<family>.yaml` random-initialises) and `build_tiny(path)`, which
+writes what `save_pretrained` writes for the family's real pipeline class, with the same component classes and
+subfolders as the released checkpoint, only tiny. Text encoders have 2 layers of width 12-16 (unless the pipeline
+reads a deeper hidden state) and real tokenizers built from a tiny vocabulary that covers the synthetic captions'
+words (`train.data.synthetic_media`). VAE normalisation constants (latents mean/std, shift/scaling factors,
+batch-norm statistics) are set to non-trivial values so a test notices a missing or wrong normalisation. Nothing is
+downloaded.
+"""
+
+from __future__ import annotations
+
+NUM_HEADS = 7
+HEAD_DIM = 8
+INNER_DIM = NUM_HEADS * HEAD_DIM  # 56
+TEXT_DIM = 16
+
+# Words of the synthetic captions (train.data.synthetic_media) get one token each; other text falls back to letters.
+WORDS = (
+    "a an the red green blue yellow white black purple orange gray square circle triangle moving left right up down "
+    "on background"
+).split()
+CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789.,:;!?'-")
+
+
+# ---------------------------------------------------------------------------------------------------------- tokenizers
+
+
+def t5_tokenizer(max_length: int = 64):
+    """A real (Unigram) T5 tokenizer over WORDS + letters; ids: <pad> 0, </s> 1, <unk> 2."""
+    from transformers import T5TokenizerFast
+
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    vocab += [("▁" + w, -5.0) for w in WORDS] + [(c, -8.0) for c in CHARS]
+    tok = T5TokenizerFast(vocab=vocab, extra_ids=0)
+    tok.model_max_length = max_length
+    return tok
+
+
+def byte_bpe_vocab() -> dict[str, int]:
+    """One token per byte, in the byte-level alphabet of the Qwen tokenizers (no merges)."""
+    import tokenizers
+
+    return {c: i for i, c in enumerate(sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet()))}
+
+
+def qwen_tokenizer(specials: tuple[str, ...]):
+    """A real byte-level BPE Qwen2 tokenizer (no merges: one token per byte) with the given special tokens."""
+    from transformers import Qwen2Tokenizer
+
+    tok = Qwen2Tokenizer(vocab=byte_bpe_vocab(), merges=[])
+    tok.add_special_tokens({"additional_special_tokens": list(specials)})
+    return tok
+
+
+# ---------------------------------------------------------------------------------------------------- text encoders
+
+
+def _t5_family_encoder(config_cls, model_cls, vocab_size: int, d_model: int):
+    cfg = config_cls(
+        vocab_size=vocab_size, d_model=d_model, d_kv=4, d_ff=32, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8,
+    )  # fmt: skip
+    return model_cls(cfg)
+
+
+def umt5_encoder(vocab_size: int, d_model: int = TEXT_DIM):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    return _t5_family_encoder(UMT5Config, UMT5EncoderModel, vocab_size, d_model)
+
+
+def t5_encoder(vocab_size: int, d_model: int = TEXT_DIM):
+    from transformers import T5Config, T5EncoderModel
+
+    return _t5_family_encoder(T5Config, T5EncoderModel, vocab_size, d_model)
+
+
+# ------------------------------------------------------------------------------------------------------------ VAEs
+
+
+def wan_vae(z_dim: int = 4):
+    """A tiny AutoencoderKLWan (the released strides: x8 spatial, 4k+1 frames -> k+1 latent frames)."""
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan(
+        base_dim=4,
+        z_dim=z_dim,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        latents_mean=[0.1 * (i - z_dim / 2) for i in range(z_dim)],
+        latents_std=[0.5 + 0.25 * i for i in range(z_dim)],
+    )

@@ -1,1 +1,0 @@
-"""Tiny random-init models and pipelines, built offline: the CPU demo and the tests run on them."""
