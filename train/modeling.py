@@ -11,8 +11,6 @@ from .config import FinetuneConfig, ModelConfig
 from .models import get_family
 from .models.spec import FamilySpec
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def family_spec(cfg: ModelConfig) -> FamilySpec:
     """The family's spec; `model.flow_shift`, when set, replaces the primary stream's shift by a static one."""
@@ -26,7 +24,7 @@ def family_spec(cfg: ModelConfig) -> FamilySpec:
 def load_transformer(cfg: ModelConfig, spec: FamilySpec, seed: int) -> torch.nn.Module:
     """From a pretrained pipeline folder / hub id (`subfolder`), or random-init from `init_config` (tiny recipes)."""
     cls = getattr(diffusers, spec.transformer_class)
-    dtype = DTYPES[cfg.dtype]
+    dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(seed)  # identical initial weights on every rank (random init, and anything not in a checkpoint)
     if cfg.init_config is not None:
         model = cls.from_config(cfg.init_config).to(dtype)

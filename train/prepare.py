@@ -67,7 +67,6 @@ __all__ = [
     "summary",
 ]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MEDIA_KEYS = ("file_name", "video", "image", "path", "file", "media")
 
 
@@ -317,7 +316,7 @@ class _Run:
 
     @property
     def dtype(self) -> torch.dtype:
-        return DTYPES[self.data.cache_dtype]
+        return getattr(torch, self.data.cache_dtype)
 
 
 def prepare(recipe: Recipe, *, stop_after: int | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -337,7 +336,7 @@ def prepare(recipe: Recipe, *, stop_after: int | None = None, log: Callable[[str
         model.pretrained_path,
         revision=model.revision,
         device=run.procs.device,
-        text_dtype=DTYPES[data.text_encoder_dtype],
+        text_dtype=getattr(torch, data.text_encoder_dtype),
     )
     run.text_tokens = run.encoder.text_tokens(data.max_text_tokens)
     load_seconds = time.perf_counter() - t_start

@@ -13,8 +13,6 @@ from ..models.spec import FamilySpec
 from .dataset import BucketBatchSampler, CachedLatentDataset, collate
 from .synthetic_latents import SyntheticLatentDataset
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def build_dataset(recipe: Recipe, spec: FamilySpec):
     data = recipe.data
@@ -23,7 +21,7 @@ def build_dataset(recipe: Recipe, spec: FamilySpec):
         if missing:
             raise ValueError(f"data.synthetic.shapes lacks {missing}: family {spec.name} reads {list(spec.batch_keys)}")
         return SyntheticLatentDataset(data.synthetic.num_samples, data.synthetic.shapes, recipe.train.seed,
-                                      DTYPES[recipe.model.dtype])  # fmt: skip
+                                      getattr(torch, recipe.model.dtype))  # fmt: skip
     if data.cache_dir is None:
         raise ValueError("set data.cache_dir (written by `python -m train.prepare`) or data.synthetic")
     return CachedLatentDataset(data.cache_dir)
