@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from train.models.spec import FamilySpec, ShiftSpec, frozen, output_tensors, sigma_times_1000
-from train.models.wan.spec import count_tokens
+from train.models.spec import FamilySpec, ShiftSpec, frozen, sigma_times_1000
+from train.models.wan.spec import count_tokens, unpack_output  # the same output layout as Wan
 
 # UniPC with flow sigmas like Wan; the official ChronoEdit inference (nv-tlabs/ChronoEdit
 # scripts/run_inference_diffusers.py) sets `flow_shift=5.0` (720p).
@@ -51,12 +51,6 @@ def build_inputs(
         "encoder_hidden_states": batch["prompt_embeds"],
         "encoder_hidden_states_image": batch["image_embeds"],
     }
-
-
-def unpack_output(
-    out: Any, latents_shapes: Mapping[str, torch.Size], *, model_config: Mapping[str, Any]
-) -> dict[str, torch.Tensor]:
-    return {"latents": output_tensors(out)[0]}
 
 
 SPEC = FamilySpec(
