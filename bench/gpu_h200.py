@@ -17,10 +17,14 @@ rank attends over all S tokens with H/N heads. Per N, forward + backward of one 
   1-rank all-to-all, backend op).
 The ratios are against `sdpa`.
 
-Part 2: a bf16 training step (forward, MSE loss, backward, fused AdamW on bf16 weights) of a random-init
+Part 2: the attention backends with a real kernel (flash, _native_cudnn, _native_efficient, _native_flash), each
+against `native` on the same 2-block Wan model in bf16 (4096 video tokens): output and every gradient.
+
+Part 3: a bf16 training step (forward, MSE loss, backward, fused AdamW on bf16 weights) of a random-init
 WanTransformer3DModel of Wan2.1-1.3B size (30 layers, 12 heads x 128 = 1536, ffn 8960, text_dim 4096, in/out 16,
 patch (1, 2, 2)), 512 text tokens, 480p latents (60 x 104) at 9 and 21 latent frames (14040 and 32760 video tokens),
-with and without gradient checkpointing. Reported: step time, video tokens/s, TFLOP/s and MFU against 989 TFLOP/s
+with and without gradient checkpointing and torch.compile, both applied per block exactly as the trainer does
+(`train.parallel.apply_activation_levers`). Reported: step time, video tokens/s, TFLOP/s and MFU against 989 TFLOP/s
 (H200 SXM dense bf16). Model FLOPs per step = 3 x forward FLOPs (recomputation not counted), forward FLOPs =
   layers x [2 S (4 d^2 + 2 d^2 + 2 d f) + 2 L (2 d^2) + 4 S^2 d + 4 S L d]
   + 2 S d (2 c p) + 2 L (t d + d^2)
@@ -55,19 +59,24 @@ WAN_14B_ATTN = dict(S=27280, H=40, D=128, degrees=(1, 2, 4, 8))
 WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
                 out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
                 qk_norm="rms_norm_across_heads", eps=1e-6)  # fmt: skip
-# (label, latent frames, latent height, latent width, gradient checkpointing)
+# (label, latent frames, latent height, latent width, gradient checkpointing, compile): the levers applied as the
+# trainer applies them (train.parallel.apply_activation_levers: per-block checkpoint, then per-block torch.compile).
 STEP_CASES = [
-    ("480p, 33 frames", 9, 60, 104, False),
-    ("480p, 33 frames, ckpt", 9, 60, 104, True),
-    ("480p, 81 frames, ckpt", 21, 60, 104, True),
-    ("480p, 81 frames", 21, 60, 104, False),  # may OOM without checkpointing: reported, not fatal
+    ("480p, 81 frames (32k tokens)", 21, 60, 104, False, False),  # may OOM without checkpointing: reported
+    ("480p, 81 frames, ckpt", 21, 60, 104, True, False),
+    ("480p, 81 frames, compile", 21, 60, 104, False, True),
+    ("480p, 81 frames, ckpt + compile", 21, 60, 104, True, True),
+    ("480p, 33 frames", 9, 60, 104, False, False),
 ]
+# Attention backends with a real kernel, each checked against `native` (a Wan model's output and every gradient).
+BACKENDS = ["flash", "_native_cudnn", "_native_efficient", "_native_flash"]
 TEXT_TOKENS = 512
 
 SMOKE_ATTN = dict(S=96, H=8, D=16, degrees=(1, 2, 4, 8))
 SMOKE_WAN = dict(WAN_1_3B, num_attention_heads=2, attention_head_dim=16, text_dim=32, freq_dim=32, ffn_dim=64,
                  num_layers=2)  # fmt: skip
-SMOKE_STEP_CASES = [("smoke", 2, 8, 8, False), ("smoke, ckpt", 2, 8, 8, True)]
+SMOKE_STEP_CASES = [("smoke", 2, 8, 8, False, False), ("smoke, ckpt", 2, 8, 8, True, False),
+                    ("smoke, compile", 2, 8, 8, False, True)]  # fmt: skip
 SMOKE_TEXT_TOKENS = 8
 
 
@@ -291,7 +300,7 @@ def wan_forward_flops(cfg: dict, S: int, L: int) -> float:
 def training_part(device: torch.device, cfg: dict, cases: list, text_tokens: int, reps: int) -> None:
     from diffusers import WanTransformer3DModel
 
-    log(f"\n## Part 2: Wan-1.3B-size training step, bf16 weights, fused AdamW, {text_tokens} text tokens\n")
+    log(f"\n## Part 3: Wan-1.3B-size training step, bf16 weights, fused AdamW, {text_tokens} text tokens\n")
     with torch.device(device):
         torch.manual_seed(0)
         model = WanTransformer3DModel(**cfg).train()
@@ -303,30 +312,37 @@ def training_part(device: torch.device, cfg: dict, cases: list, text_tokens: int
     n_params = sum(p.numel() for p in model.parameters())
     log(f"{n_params / 1e9:.3f} B parameters; MFU vs {PEAK_TFLOPS} TFLOP/s; FLOPs = 3 x forward (see docstring)\n")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
-    header(["case", "latent (F, H, W)", "video tokens", "grad ckpt", "step ms", "tokens/s", "model TFLOP/step",
-            "TFLOP/s", "MFU", "peak mem GiB"])  # fmt: skip
-    for label, frames, height, width, ckpt in cases:
+    header(["case", "latent (F, H, W)", "video tokens", "grad ckpt", "compile", "step ms", "tokens/s",
+            "model TFLOP/step", "TFLOP/s", "MFU", "peak mem GiB"])  # fmt: skip
+    for label, frames, height, width, ckpt, compile in cases:
         S = frames * (height // 2) * (width // 2)
-        cells = [label, f"({frames}, {height}, {width})", S, "on" if ckpt else "off"]
+        cells = [label, f"({frames}, {height}, {width})", S, "on" if ckpt else "off", "on" if compile else "off"]
         if out_of_time():
             row(cells + ["skipped (time budget)"] + [""] * 5)
             continue
         try:
-            _training_case(model, opt, cfg, device, frames, height, width, text_tokens, ckpt, reps, cells)
+            _set_levers(model, ckpt, compile)
+            _training_case(model, opt, cfg, device, frames, height, width, text_tokens, reps, cells)
         except Exception as e:  # noqa: BLE001
             cells.append("OOM" if is_oom(e) else f"error: {type(e).__name__}: {e}"[:200])
             if not is_oom(e):
                 traceback.print_exc(file=sys.stderr)
             opt.zero_grad(set_to_none=True)
-        row(cells + [""] * (10 - len(cells)))
+        row(cells + [""] * (11 - len(cells)))
         free(device)
 
 
-def _training_case(model, opt, cfg, device, frames, height, width, text_tokens, ckpt, reps, cells: list) -> None:
-    if ckpt:
-        model.enable_gradient_checkpointing()
-    else:
-        model.disable_gradient_checkpointing()
+def _set_levers(model, ckpt: bool, compile: bool) -> None:
+    """The trainer's per-block levers (train.parallel), after removing the previous case's wrappers."""
+    from train.parallel import apply_activation_levers, repeated_blocks
+
+    blocks = repeated_blocks(model)
+    for block in blocks:
+        block.__dict__.pop("forward", None)  # back to the class's forward
+    apply_activation_levers(blocks, 1 if ckpt else None, offload=False, compile=compile)
+
+
+def _training_case(model, opt, cfg, device, frames, height, width, text_tokens, reps, cells: list) -> None:
     S = frames * (height // 2) * (width // 2)
     gen = torch.Generator(device=device).manual_seed(1)
     latents = torch.randn(1, 16, frames, height, width, device=device, dtype=torch.bfloat16, generator=gen)
@@ -349,6 +365,44 @@ def _training_case(model, opt, cfg, device, frames, height, width, text_tokens, 
               f"{flops / t / 1e12 / PEAK_TFLOPS:.1%}", f"{peak:.1f}"]  # fmt: skip
 
 
+def backends_part(device: torch.device, cfg: dict, smoke: bool) -> None:
+    """Each real-kernel attention backend against `native` on the same Wan model (bf16, 2 blocks, 4k tokens): the
+    output and every gradient, max |difference| / max |native|. On CPU (smoke) only `native` exists: it is compared
+    with itself and the other rows say they are unavailable."""
+    from diffusers import WanTransformer3DModel
+
+    log("\n## Part 2: attention backends vs native (Wan blocks, bf16, output and every gradient)\n")
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = WanTransformer3DModel(**cfg).to(torch.bfloat16).train()
+    frames, hw = (2, 8) if smoke else (4, 64)
+    gen = torch.Generator(device=device).manual_seed(2)
+    latents = torch.randn(1, 16, frames, hw, hw, device=device, dtype=torch.bfloat16, generator=gen)
+    text = torch.randn(1, 64, cfg["text_dim"], device=device, dtype=torch.bfloat16, generator=gen)
+    timestep = torch.tensor([500.0], device=device)
+
+    def run(backend: str) -> list[torch.Tensor]:
+        model.set_attention_backend(backend)
+        model.zero_grad(set_to_none=True)
+        out = model(hidden_states=latents, encoder_hidden_states=text, timestep=timestep, return_dict=False)[0]
+        out.float().square().mean().backward()
+        return [out.detach().float()] + [p.grad.float() for p in model.parameters() if p.grad is not None]
+
+    ref = run("native")
+    header(["backend", "output rel err", "worst gradient rel err", "verdict (≤ 2e-2, bf16)"])
+    for backend in (["native"] if smoke else []) + BACKENDS:
+        if device.type != "cuda" and backend != "native":
+            row([backend, "n/a on CPU", "", ""])
+            continue
+        try:
+            got = run(backend)
+            errs = [(g - r).abs().max().item() / max(r.abs().max().item(), 1e-12) for g, r in zip(got, ref)]
+            row([backend, f"{errs[0]:.1e}", f"{max(errs[1:]):.1e}", "ok" if max(errs) <= 2e-2 else "MISMATCH"])
+        except Exception as e:  # noqa: BLE001
+            row([backend, f"unavailable: {type(e).__name__}: {e}"[:120], "", ""])
+    model.set_attention_backend("native")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the code paths only")
@@ -369,6 +423,11 @@ def main() -> None:
         f"diffusers {diffusers.__version__}, deadline {DEADLINE_S:.0f} s")  # fmt: skip
     try:
         attention_part(device, SMOKE_ATTN if args.smoke else WAN_14B_ATTN)
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+    free(device)
+    try:
+        backends_part(device, SMOKE_WAN if args.smoke else dict(WAN_1_3B, num_layers=2), smoke=args.smoke)
     except Exception:  # noqa: BLE001
         traceback.print_exc()
     free(device)

@@ -17,6 +17,8 @@ def test_gpu_script_smoke_runs_on_cpu() -> None:
                           text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| smoke | (2, 8, 8) |" in proc.stdout and "| smoke, ckpt |" in proc.stdout
+    assert "| smoke, compile | (2, 8, 8) | 32 | off | on |" in proc.stdout  # the trainer's per-block compile
+    assert "| native | 0.0e+00 | 0.0e+00 | ok |" in proc.stdout  # the backend check ran (only native on CPU)
 
 
 def test_activation_memory_at_cp4_meets_the_target() -> None:

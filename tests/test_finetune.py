@@ -80,6 +80,41 @@ def test_cp2_and_cp3_match_single_process(tmp_root: Path, method: str) -> None:
     assert serial[-1]["loss"] != serial[0]["loss"]  # parameters did move
 
 
+@pytest.mark.parametrize(
+    "levers",
+    [
+        ("train.gradient_checkpointing=true", "train.checkpoint_every=2"),  # block 0 recomputed, block 1 not
+        ("train.offload_activations=true",),
+        ("train.compile=true", "train.gradient_checkpointing=true"),  # inductor on CPU; compiled recompute too
+    ],
+    ids=["ckpt_every_2", "offload", "compile_ckpt"],
+)
+def test_activation_levers_and_compile_under_cp2_match_single_process(tmp_root: Path, levers: tuple) -> None:
+    """Each memory lever and torch.compile (per block, the CP attention a graph break) at CP 2 against the plain
+    serial run: the same loss and grad norm."""
+    base = (*QUIET, "finetune.method=lora", "train.gradient_checkpointing=false")
+    serial = run(tmp_root, 1, *base, "parallel.cp=1")
+    assert_same_steps(run(tmp_root, 2, *base, *levers, "parallel.cp=2"), serial, f"{levers} CP 2 vs 1")
+
+
+def test_startup_refuses_a_recipe_predicted_not_to_fit(tmp_root: Path) -> None:
+    """`train.estimate` runs at startup: a prediction clearly over the device memory is a one-line error (exit 2)
+    before the model is built; `memory_check: warn` prints it and trains."""
+    out = tmp_root / "too_big"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu.yaml",
+           "--num_processes", "2", "train/finetune.py", "--recipe", "recipes/tiny/wan.yaml", "--set",
+           f"output_dir={out}", "--set", "parallel.device_memory_gib=0.0001", "--set", "train.max_steps=1"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert errors and "predicted peak per rank" in errors[0] and "parallel.memory_check: warn" in errors[0], errors
+    assert not (out / "metrics.jsonl").exists()
+    warned = run_dir(tmp_root, 2, *QUIET, "parallel.cp=2", "parallel.device_memory_gib=0.0001",
+                     "parallel.memory_check=warn")  # fmt: skip
+    assert len(warned[0]) == 3
+
+
 def test_grad_accumulation_cp2_matches_single_process(tmp_root: Path) -> None:
     base = (*QUIET, "train.grad_accum=2", "train.batch_size=1")
     assert_same_steps(run(tmp_root, 2, *base, "parallel.cp=2"), run(tmp_root, 1, *base, "parallel.cp=1"), "accum 2")

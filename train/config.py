@@ -151,6 +151,9 @@ class ModelConfig(Section):
     """diffusers attention backend name (e.g. native, flash, _native_cudnn)."""
     cp_plan: str | None = None
     """CP plan file to use; null = the plan shipped in cp_plans/ for the transformer class."""
+    sharded_load: bool = True
+    """Build the transformer on the meta device, shard it, then read only each rank's slice of the pretrained
+    safetensors (no rank holds the whole model); false = every rank loads the whole model, then FSDP shards it."""
     flow_shift: Annotated[float, Field(gt=0)] | None = None
     """Flow-matching timestep shift of the primary stream; null = the family scheduler's own (Wan 2.1: 3.0, the
     480p default; use 5.0 for 720p). A number replaces a resolution-dependent shift too."""
@@ -175,6 +178,11 @@ class ParallelConfig(Section):
     """Shard parameters with FSDP2 over dp_shard x cp; false = replicate them and all-reduce gradients."""
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after forward (less memory, one more all-gather in backward)."""
+    memory_check: Literal["refuse", "warn", "off"] = "refuse"
+    """At startup, compare train.estimate's predicted peak per rank with the device memory: refuse (exit before the
+    first step) or warn when it clearly exceeds it; off = skip."""
+    device_memory_gib: Annotated[float, Field(gt=0)] | None = None
+    """Device memory per rank the memory check compares with; null = the GPU's own total (no check on CPU)."""
     cp_transport: Literal["torch", "symm_mem"] = "torch"
     """CP all-to-all transport: torch (all_to_all_single) or symm_mem (intra-node CUDA, self-tested, else torch)."""
 
@@ -232,6 +240,12 @@ class TrainConfig(Section):
     """Seed for parameter init, data order, noise and timesteps (and, in train.prepare, the latent samples)."""
     gradient_checkpointing: bool = False
     """Recompute transformer block activations in backward (less memory, about one more forward of compute)."""
+    checkpoint_every: Positive = 1
+    """With gradient_checkpointing: recompute every k-th block only (1 = every block; 2 = half of them, ...)."""
+    offload_activations: bool = False
+    """Keep the tensors the blocks save for backward in (pinned) host memory instead of on the device."""
+    compile: bool = False
+    """torch.compile each transformer block (regional compilation; after checkpointing, before FSDP)."""
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
     """Autocast: auto = bf16 on GPU and fp32 on CPU; no = off; bf16 = always bf16."""
     timestep_sampling: Literal["logit_normal", "uniform", "mode"] = "logit_normal"

@@ -1,35 +1,153 @@
-"""Export trained weights in formats diffusers loads: full weights via `save_pretrained`, LoRA weights via the family
-pipeline's `save_lora_weights` (with the adapter metadata, so `lora_alpha != r` reloads with the right scale)."""
+"""Export trained weights in formats diffusers loads.
+
+Full weights (`export_full`): a `from_pretrained` folder written tensor by tensor, so no rank ever holds the whole
+model. The shard files are planned from shapes and dtypes first (huggingface_hub's splitter, as `save_pretrained`
+does: same file names, same index), identically on every rank; then every rank walks the state dict in the same order
+and gathers one tensor at a time (`DTensor.full_tensor()`, a collective); rank 0 buffers it in its shard and writes the
+shard as soon as it is complete. Rank 0's peak: one open shard plus one tensor (a tensor larger than a shard gets a
+shard of its own, written at once, while the current shard stays open). A model carrying peft LoRA adapters is
+exported as the plain transformer with the adapters merged into their base weights.
+
+LoRA weights (`export_lora`): the pipeline's `save_lora_weights` (with the adapter metadata, so `lora_alpha != r`
+reloads with the right scale). Adapters are small: they are gathered whole to rank 0.
+"""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import diffusers
 import torch
 import torch.distributed as dist
+from diffusers.utils.constants import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+# diffusers' names: diffusion_pytorch_model-00001-of-00003.safetensors, or diffusion_pytorch_model.safetensors alone
+_SHARD_PATTERN = SAFETENSORS_WEIGHTS_NAME.replace(".safetensors", "{suffix}.safetensors")
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What `export_full` wrote: the folder, its shard files, the bytes of all tensors, and the most bytes rank 0
+    held buffered at once (0 on the other ranks)."""
+
+    path: Path
+    shards: int
+    total_bytes: int
+    peak_buffered_bytes: int
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor of the exported folder: `key` (a plain transformer's), read from the model's state-dict key
+    `source`, plus the (lora_A key, lora_B key, scaling) of each LoRA adapter merged into it."""
+
+    key: str
+    source: str
+    adapters: tuple[tuple[str, str, float], ...] = ()
+
+
+def _entries(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> list[_Entry]:
+    """The exported tensors in state-dict order: peft's `<layer>.base_layer.<p>` becomes `<layer>.<p>`, and each
+    active adapter of a Linear layer is merged into its weight. Any other LoRA tensor cannot be merged here."""
+    entries, merged = [], set()
+    for name in state:
+        if ".lora_" in name:
+            continue
+        if ".base_layer." not in name:
+            entries.append(_Entry(name, name))
+            continue
+        layer_name, param = name.split(".base_layer.")
+        adapters = ()
+        if param == "weight":
+            layer = model.get_submodule(layer_name)
+            pairs = [(f"{layer_name}.lora_A.{a}.weight", f"{layer_name}.lora_B.{a}.weight", layer.scaling[a])
+                     for a in layer.active_adapters if a in layer.lora_A]  # fmt: skip
+            adapters = tuple(p for p in pairs if state[p[0]].dim() == 2)  # Linear layers: W + s·B@A
+            merged.update(k for p in adapters for k in p[:2])
+        entries.append(_Entry(f"{layer_name}.{param}", name, adapters))
+    left = [n for n in state if ".lora_" in n and n not in merged]
+    if left:
+        raise ValueError(f"export_full merges the active LoRA adapters of Linear layers only, not {left[:3]} "
+                         f"({len(left)} such tensors: DoRA, LoRA bias, conv or inactive adapters); set "
+                         "checkpoint.export=lora to export the adapters instead")  # fmt: skip
+    return entries
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on CPU. A DTensor (FSDP2 shards) is gathered: a collective, every rank in the same order; a
+    plain tensor (no FSDP, buffers) is taken as it is."""
+    return (value.full_tensor() if isinstance(value, DTensor) else value).cpu()
+
+
+def _save_config(model: torch.nn.Module, path: Path) -> None:
+    """The model's own `save_config`, under its own class name: `fully_shard` swaps in a subclass named
+    `FSDP<Class>`, which `save_config` would record (and `AutoModel.from_pretrained` could not resolve)."""
+    model.save_config(path)
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    config = json.loads((path / "config.json").read_text())
+    config["_class_name"] = cls.__name__
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+@torch.no_grad()
+def export_full(model: torch.nn.Module, out_dir: Path, max_shard_size: int | str = "2GB") -> Exported:
+    """Write `<out_dir>/transformer/` (config + safetensors shards + index) for `from_pretrained`, one gathered tensor
+    at a time. Collective: every rank calls it. `max_shard_size` in bytes or as "10GB" / "500MB" (diffusers' unit);
+    2GB rather than diffusers' 10GB because rank 0 holds one whole shard."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    state = model.state_dict()  # persistent state only; FSDP2 keeps the original names, its params are DTensors
+    entries = _entries(model, state)
+    # The plan, from shapes and dtypes alone (meta tensors: no memory): the same on every rank.
+    shapes = {e.key: torch.empty(state[e.source].shape, dtype=state[e.source].dtype, device="meta") for e in entries}
+    plan = split_torch_state_dict_into_shards(shapes, max_shard_size=max_shard_size, filename_pattern=_SHARD_PATTERN)
+    path = out_dir / "transformer"
+    rank = dist.get_rank()
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        for stale in path.glob(_SHARD_PATTERN.format(suffix="*") + "*"):
+            stale.unlink()  # a previous export's shards (a different plan would leave some of them behind)
+        _save_config(model, path)
+
+    left = {name: len(keys) for name, keys in plan.filename_to_tensors.items()}
+    open_shards: dict[str, dict[str, torch.Tensor]] = {name: {} for name in left}
+    buffered = peak = 0
+    for e in entries:
+        value = _full(state[e.source])
+        gathered = [(_full(state[a]), _full(state[b]), s) for a, b, s in e.adapters]
+        if rank != 0:
+            continue
+        if gathered:  # W + Σ (alpha/r)·B@A in fp32, cast back to the base weight's dtype
+            w = value.float()
+            for a, b, s in gathered:
+                w += s * (b.float() @ a.float())
+            value = w.to(value.dtype)
+        name = plan.tensor_to_filename[e.key]
+        open_shards[name][e.key] = value.contiguous()
+        buffered += value.nbytes
+        peak = max(peak, buffered)
+        left[name] -= 1
+        if left[name] == 0:
+            shard = open_shards.pop(name)
+            save_file(shard, str(path / name), metadata={"format": "pt"})
+            buffered -= sum(t.nbytes for t in shard.values())
+    if rank == 0 and plan.is_sharded:
+        index = {"metadata": dict(plan.metadata), "weight_map": plan.tensor_to_filename}
+        (path / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    dist.barrier()
+    return Exported(path, len(plan.filename_to_tensors), plan.metadata["total_size"], peak)
 
 
 def _full_state_dict(model: torch.nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
     # Collective: every rank must call it (FSDP2 shards are gathered to rank 0, on CPU).
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
     return get_model_state_dict(model, options=opts)
-
-
-def export_full(model: torch.nn.Module, out_dir: Path) -> Path | None:
-    """`save_pretrained` of the whole transformer (rank 0 writes)."""
-    state = _full_state_dict(model, trainable_only=False)
-    path = out_dir / "transformer"
-    if dist.get_rank() == 0:
-        # An unhooked, unsharded twin built on the meta device (no second random init of the whole model): the
-        # gathered tensors become its parameters as they are (assign=True), so rank 0 holds the weights once.
-        with torch.device("meta"):
-            twin = type(model).from_config(model.config)
-        twin.load_state_dict(state, assign=True, strict=True)
-        twin.save_pretrained(path)
-    dist.barrier()
-    return path
 
 
 def export_lora(model: torch.nn.Module, pipeline_class: str, out_dir: Path) -> Path | None:

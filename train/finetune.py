@@ -40,9 +40,10 @@ from train.config import (
     save_recipe,
 )
 from train.data.batches import Batches, build_dataset, check_text_lengths, make_batches
+from train.estimate import startup_check
 from train.export import export_full, export_lora
 from train.metrics import MetricsLogger, peak_memory_bytes
-from train.modeling import apply_finetune, family_spec, load_transformer
+from train.modeling import build_model, describe_start, family_spec
 from train.models.spec import FamilySpec
 from train.objective import (
     add_noise,
@@ -52,7 +53,7 @@ from train.objective import (
     sample_stream_sigmas,
     stream_losses,
 )
-from train.parallel import Mesh, ParallelDims, Parallelized, parallelize
+from train.parallel import Mesh, ParallelDims, Parallelized
 
 
 def init_processes(recipe: Recipe):
@@ -187,6 +188,7 @@ def print_layout(
         "cp_plan": str(parallel.cp.plan.path) if parallel.cp is not None else "none (cp = 1)",
         "gradient_reduction": f"{reduction.mode}: SUM over cp={reduction.cp}, MEAN over dp={reduction.dp} "
         "(startup self-check passed)",
+        "weights": describe_start(recipe),
         "mixed_precision": f"{recipe.train.mixed_precision}: "
         + ("bf16 autocast, fp32 master weights" if amp is not None else "fp32"),
         "trainable_parameters": n_trainable,
@@ -203,7 +205,11 @@ def export(recipe: Recipe, spec: FamilySpec, model: torch.nn.Module, out_dir: Pa
     if kind == "lora":
         path = export_lora(model, spec.pipeline_class, out_dir)
     elif kind == "full":
-        path = export_full(model, out_dir)
+        full = export_full(model, out_dir)
+        path = full.path
+        if dist.get_rank() == 0:  # streamed: rank 0 never holds more than one shard + one tensor
+            print(f"export: {full.shards} shard(s), {full.total_bytes / 2**20:.1f} MiB; rank 0 peak buffered "
+                  f"{full.peak_buffered_bytes / 2**20:.1f} MiB")  # fmt: skip
     if dist.get_rank() == 0:
         print(f"metrics: {out_dir / 'metrics.jsonl'}")
         if kind != "none":
@@ -235,16 +241,13 @@ def main(argv: list[str] | None = None) -> None:
     out_dir = Path(recipe.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    # --- model: load → LoRA/full → CP hooks → checkpointing → FSDP2 (one place, one order: train/parallel.py) ------
-    model = load_transformer(recipe.model, spec, seed=t.seed)
-    apply_finetune(model, recipe.finetune, spec, seed=t.seed)
-    model.to(device)
-    parallel = parallelize(
-        model, mesh, cp_plan=recipe.model.cp_plan, gradient_checkpointing=t.gradient_checkpointing,
-        fsdp=recipe.parallel.fsdp, reshard_after_forward=recipe.parallel.reshard_after_forward,
-        param_dtype=torch.bfloat16 if device.type == "cuda" and amp is not None else None,
-        cp_transport=recipe.parallel.cp_transport,
-    )  # fmt: skip
+    # --- will it fit? train.estimate's prediction for this layout; refused (one line) when clearly over the device --
+    memory = startup_check(recipe, dist.get_world_size(), device)
+    if dist.get_rank() == 0:
+        print(f"memory: {memory}")
+
+    # --- model: meta build → LoRA/full → CP hooks → activation levers → compile → FSDP2 → each rank's shard -------
+    model, parallel = build_model(recipe, spec, mesh, device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = build_optimizer(params, t)
 

@@ -1,15 +1,33 @@
-"""Build the transformer a recipe asks for: its family spec, load (or random-init) it, make it trainable."""
+"""Build the transformer a recipe asks for, trainable and parallelized, without any rank holding the whole model.
+
+Sharded start (`model.sharded_load`, the default with FSDP): every rank builds the same model on the meta device,
+adds LoRA (or casts to fp32 for full fine-tuning: master weights), `parallelize` applies CP hooks, the activation
+levers, compile and `fully_shard`, and only then is memory allocated: each rank's shard, filled by DCP's
+`HuggingFaceStorageReader` with just that rank's slice of every pretrained safetensors tensor. Why the reader and
+not `set_model_state_dict(broadcast_from_rank0=True)`: broadcasting needs the whole model on rank 0 (what this is
+meant to avoid) and moves every byte through the network; the reader's peak per rank is its shard plus one
+tensor slice. Broadcast from rank 0 is used only for random init (`init_config`), where rank 0 must draw the whole
+model anyway to reproduce the serial initial weights.
+
+LoRA adapters start from `lora_init`: values drawn by one seeded generator in parameter order, so they are the same
+on every rank and in every layout (and small: every rank holds them whole and keeps its slice).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import math
+from pathlib import Path
 
 import diffusers
 import torch
+import torch.distributed as dist
 
-from .config import FinetuneConfig, ModelConfig
-from .models import get_family
+from .config import FinetuneConfig, ModelConfig, Recipe
+from .models import get_family, transformer_config
 from .models.spec import FamilySpec
+from .parallel import Mesh, Parallelized, check_replicated, parallelize
 
 
 def family_spec(cfg: ModelConfig) -> FamilySpec:
@@ -21,27 +39,49 @@ def family_spec(cfg: ModelConfig) -> FamilySpec:
     return dataclasses.replace(spec, shift=shift)
 
 
-def load_transformer(cfg: ModelConfig, spec: FamilySpec, seed: int) -> torch.nn.Module:
-    """From a pretrained pipeline folder / hub id (`subfolder`), or random-init from `init_config` (tiny recipes)."""
+def _random_init(cfg: ModelConfig, spec: FamilySpec, seed: int) -> torch.nn.Module:
     cls = getattr(diffusers, spec.transformer_class)
-    dtype = getattr(torch, cfg.dtype)
-    torch.manual_seed(seed)  # identical initial weights on every rank (random init, and anything not in a checkpoint)
+    torch.manual_seed(seed)  # identical initial weights on every rank, and in every layout
+    return cls.from_config(cfg.init_config).to(getattr(torch, cfg.dtype))
+
+
+def load_transformer(cfg: ModelConfig, spec: FamilySpec, seed: int) -> torch.nn.Module:
+    """The whole transformer on this rank: random init from `init_config`, or `from_pretrained` (`subfolder`)."""
     if cfg.init_config is not None:
-        model = cls.from_config(cfg.init_config).to(dtype)
+        model = _random_init(cfg, spec, seed)
     else:
-        model = cls.from_pretrained(
-            cfg.pretrained_path, subfolder=cfg.subfolder, revision=cfg.revision, torch_dtype=dtype
-        )
+        cls = getattr(diffusers, spec.transformer_class)
+        model = cls.from_pretrained(cfg.pretrained_path, subfolder=cfg.subfolder, revision=cfg.revision,
+                                    torch_dtype=getattr(torch, cfg.dtype))  # fmt: skip
     model.set_attention_backend(cfg.attention_backend)
     return model.train()
 
 
-def apply_finetune(model: torch.nn.Module, cfg: FinetuneConfig, spec: FamilySpec, seed: int) -> list[str]:
-    """Full: every parameter trains, in fp32 (master weights). LoRA: the base is frozen, adapters train in fp32.
+def meta_transformer(cfg: ModelConfig, spec: FamilySpec) -> torch.nn.Module:
+    """The transformer with every parameter on the meta device (no memory), in the dtypes loading would give it:
+    `model.dtype`, except the class's `_keep_in_fp32_modules` when loading pretrained weights (as diffusers'
+    `from_pretrained` does). Buffers are real (computed by the constructor: RoPE tables and the like)."""
+    from accelerate import init_empty_weights
 
-    Returns the names of the trainable parameters.
-    """
-    torch.manual_seed(seed + 1)  # LoRA A matrices are drawn at random: the same on every rank
+    cls = getattr(diffusers, spec.transformer_class)
+    config = transformer_config(cfg.family, init_config=cfg.init_config, pretrained_path=cfg.pretrained_path,
+                                subfolder=cfg.subfolder)  # fmt: skip
+    with init_empty_weights(include_buffers=False):
+        model = cls.from_config(config)
+    dtype = getattr(torch, cfg.dtype)
+    if cfg.init_config is not None:
+        model.to(dtype)  # what _random_init does, buffers included
+    else:
+        keep = cls._keep_in_fp32_modules or []
+        for name, p in model.named_parameters():
+            p.data = p.data.to(torch.float32 if any(k in name for k in keep) else dtype)
+    model.set_attention_backend(cfg.attention_backend)
+    return model.train()
+
+
+def apply_finetune(model: torch.nn.Module, cfg: FinetuneConfig, spec: FamilySpec) -> list[str]:
+    """Full: every parameter trains, in fp32 (master weights). LoRA: the base is frozen, adapters train in fp32.
+    Works on a meta model too (nothing is allocated). Returns the names of the trainable parameters."""
     if cfg.method == "full":
         model.to(torch.float32).requires_grad_(True)
     else:
@@ -49,16 +89,155 @@ def apply_finetune(model: torch.nn.Module, cfg: FinetuneConfig, spec: FamilySpec
 
         model.requires_grad_(False)
         targets = list(cfg.lora_targets or spec.lora_targets)
-        model.add_adapter(
-            LoraConfig(
-                r=cfg.lora_rank,
-                lora_alpha=cfg.lora_alpha,
-                lora_dropout=cfg.lora_dropout,
-                target_modules=targets,
-                init_lora_weights=True,
-            )  # fmt: skip
-        )
+        model.add_adapter(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                     target_modules=targets, init_lora_weights=True))  # fmt: skip
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
     return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def lora_init(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Initial values of the LoRA adapters, whole, on CPU: A ~ kaiming-uniform(a=√5) (peft's default), B = 0 (so the
+    adapted model starts equal to the base). One generator walks the parameters in order: the same on every rank."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    values = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad or ".lora_" not in name:
+            continue
+        value = torch.zeros(p.shape, dtype=p.dtype)
+        if ".lora_A." in name:
+            torch.nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=gen)
+        values[name] = value
+    return values
+
+
+def _base_key(name: str) -> str:
+    """The pretrained checkpoint's key of a model parameter (peft inserts `.base_layer` into wrapped layers)."""
+    return name.replace(".base_layer.", ".")
+
+
+def pretrained_folder(cfg: ModelConfig) -> Path:
+    """The local folder holding the transformer's safetensors: `pretrained_path/subfolder`, downloaded from the hub
+    (rank 0 first, the others then read the cache) when `pretrained_path` is not a local folder."""
+    local = Path(cfg.pretrained_path).expanduser()
+    if local.is_dir():
+        folder = local / cfg.subfolder if cfg.subfolder else local
+    else:
+        from huggingface_hub import snapshot_download
+
+        def fetch(offline: bool) -> Path:
+            pattern = f"{cfg.subfolder}/*" if cfg.subfolder else "*"
+            root = snapshot_download(cfg.pretrained_path, revision=cfg.revision, allow_patterns=[pattern],
+                                     local_files_only=offline)  # fmt: skip
+            return Path(root) / cfg.subfolder
+
+        folder = fetch(offline=False) if dist.get_rank() == 0 else None
+        dist.barrier()
+        folder = folder or fetch(offline=True)
+    if not any(folder.glob("*.safetensors")):
+        raise ValueError(f"model.pretrained_path: no .safetensors weights in {folder} (sharded_load reads "
+                         "safetensors only; set model.sharded_load=false to load other formats)")  # fmt: skip
+    return folder
+
+
+def _source_digest(folder: Path) -> float:
+    """A cheap fingerprint of a checkpoint folder (file names and sizes, safetensors headers, the first MiB of every
+    file's data): ranks that read different copies of a checkpoint (a stale copy on one node) would start from
+    different weights."""
+    h = hashlib.sha256()
+    for f in sorted(folder.glob("*.safetensors")):
+        with f.open("rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            h.update(f.name.encode() + f.stat().st_size.to_bytes(8, "little") + fh.read(n) + fh.read(2**20))
+    return float(int.from_bytes(h.digest()[:6], "little"))
+
+
+def _load_pretrained_shards(model: torch.nn.Module, folder: Path) -> None:
+    """Fill each rank's shard of every pretrained parameter from the safetensors in `folder`, slice by slice."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    reader = HuggingFaceStorageReader(str(folder))
+    stored = reader.read_metadata().state_dict_metadata
+    state = {_base_key(n): t for n, t in model.state_dict().items() if ".lora_" not in n}
+    missing = sorted(set(state) - set(stored))
+    if missing:
+        raise ValueError(f"model.pretrained_path: {folder} lacks {len(missing)} weights of this model (e.g. "
+                         f"{missing[:3]}); is it the right checkpoint for model.family?")  # fmt: skip
+    wrong = [k for k in state if tuple(stored[k].size) != tuple(state[k].shape)]
+    if wrong:
+        k = wrong[0]
+        raise ValueError(f"model.pretrained_path: {folder} holds {k} with shape {tuple(stored[k].size)}, the model's "
+                         f"config gives {tuple(state[k].shape)} ({len(wrong)} such weights)")  # fmt: skip
+    dcp.load(state, storage_reader=reader)
+
+
+def build_model(
+    recipe: Recipe, spec: FamilySpec, mesh: Mesh, device: torch.device
+) -> tuple[torch.nn.Module, Parallelized]:
+    """The transformer, trainable (LoRA / full) and parallelized (CP, activation levers, compile, FSDP2), its
+    weights in place: sharded start when `model.sharded_load` and FSDP are on, else whole on every rank first."""
+    cfg, t, sharded = recipe.model, recipe.train, recipe.model.sharded_load and recipe.parallel.fsdp
+    model = meta_transformer(cfg, spec) if sharded else load_transformer(cfg, spec, seed=t.seed)
+    apply_finetune(model, recipe.finetune, spec)
+    lora = lora_init(model, seed=t.seed)
+    if not sharded:  # whole on every rank: set the adapters now, parallelize checks every rank holds the same
+        with torch.no_grad():
+            for name, value in lora.items():
+                model.get_parameter(name).copy_(value)
+        model.to(device)
+    folder = pretrained_folder(cfg) if sharded and cfg.init_config is None else None
+    if sharded:  # every rank must fill its shard from the same source: compare fingerprints before any allocation
+        digest = torch.tensor([_source_digest(folder) if folder else 0.0])
+        check_replicated([digest, *lora.values()], what="sources of the initial weights (checkpoint, LoRA init)")
+    parallel = parallelize(
+        model, mesh, cp_plan=cfg.cp_plan, gradient_checkpointing=t.gradient_checkpointing,
+        checkpoint_every=t.checkpoint_every, offload_activations=t.offload_activations, compile=t.compile,
+        fsdp=recipe.parallel.fsdp, reshard_after_forward=recipe.parallel.reshard_after_forward,
+        param_dtype=torch.bfloat16 if device.type == "cuda" and t.mixed_precision != "no" else None,
+        cp_transport=recipe.parallel.cp_transport,
+    )  # fmt: skip
+    if sharded:
+        materialize(model, device)
+        if folder is not None:
+            _load_pretrained_shards(model, folder)
+            _set_full(model, lora, broadcast=False)
+        else:  # random init: rank 0 draws the whole model exactly as the serial run does, every rank keeps its shard
+            full = {}
+            if dist.get_rank() == 0:
+                base = _random_init(cfg, spec, seed=t.seed)
+                if recipe.finetune.method == "full":
+                    base.to(torch.float32)
+                full = {**base.state_dict(), **lora}
+            names = {_base_key(n): n for n in model.state_dict()}
+            _set_full(model, {names.get(k, k): v for k, v in full.items()}, broadcast=True)
+    return model, parallel
+
+
+def materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """Allocate the (sharded) meta parameters on `device`, uninitialised; buffers keep the values their
+    constructors computed (`to_empty` would wipe them too)."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, value in buffers.items():
+            model.get_buffer(name).copy_(value)
+
+
+def _set_full(model: torch.nn.Module, values: dict[str, torch.Tensor], broadcast: bool) -> None:
+    """Whole tensors in, each rank keeps its shard. `broadcast`: only rank 0's `values` count (the others pass {})."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if not values and not broadcast:
+        return
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast, strict=False)
+    set_model_state_dict(model, values, options=opts)
+
+
+def describe_start(recipe: Recipe) -> str:
+    """One line on how the weights were loaded (for the layout print)."""
+    if not (recipe.model.sharded_load and recipe.parallel.fsdp):
+        return "whole model on every rank, then sharded (model.sharded_load false or parallel.fsdp false)"
+    source = "random init on rank 0, broadcast" if recipe.model.init_config is not None else "safetensors slices"
+    return f"sharded start: meta build, FSDP2 shards filled from {source}"

@@ -7,6 +7,8 @@ groups are `cp` consecutive ranks: the fastest links carry the per-layer all-to-
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -81,19 +83,46 @@ def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [b for child in model.children() if isinstance(child, torch.nn.ModuleList) for b in child]
 
 
-def check_replicated(model: torch.nn.Module) -> None:
+def check_replicated(tensors: Iterable[torch.Tensor], what: str = "initial weights") -> None:
     """Every rank must start from the same weights (FSDP2 shards each rank's own copy and never broadcasts): compare
-    a cheap fingerprint of all parameters across the world before anything is sharded."""
+    a cheap fingerprint of `tensors` (the whole parameters, or the sources shards are filled from) across the world
+    before anything is sharded."""
     with torch.no_grad():
-        fp = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
-        for i, p in enumerate(model.parameters()):
-            x = p.detach().double()
+        fp = torch.zeros(2, dtype=torch.float64)
+        for i, t in enumerate(tensors):
+            x = t.detach().double().cpu()
             fp[0] += x.sum() * (1 + i % 7)
             fp[1] += x.square().sum()
     seen = [torch.zeros_like(fp) for _ in range(dist.get_world_size())]
     dist.all_gather(seen, fp)
     if any(not torch.equal(s, seen[0]) for s in seen):
-        raise RuntimeError("ranks hold different initial weights (seed every rank alike before creating parameters)")
+        raise RuntimeError(f"ranks hold different {what} (seed every rank alike before creating parameters, and "
+                           "give every node the same checkpoint)")  # fmt: skip
+
+
+def apply_activation_levers(
+    blocks: list[torch.nn.Module], checkpoint_every: int | None, offload: bool, compile: bool
+) -> list[int]:
+    """Wrap each block's forward (under FSDP's hooks, over the CP hooks): recompute every `checkpoint_every`-th
+    block in backward (non-reentrant: the recompute re-issues the block's all-to-alls in the same order on every
+    rank), keep the tensors the blocks save in host memory (`save_on_cpu`), then torch.compile the result per
+    block. Returns the indices of the recomputed blocks."""
+    from torch.autograd.graph import save_on_cpu
+    from torch.utils.checkpoint import checkpoint
+
+    recomputed = [i for i in range(len(blocks)) if checkpoint_every and i % checkpoint_every == 0]
+    for i, block in enumerate(blocks):
+        inner = block.forward  # the CP-hooked forward, when CP is on
+
+        def forward(*args, _inner=inner, _recompute=i in recomputed, **kwargs):
+            with save_on_cpu(pin_memory=torch.cuda.is_available()) if offload else nullcontext():
+                if _recompute and torch.is_grad_enabled():
+                    return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+                return _inner(*args, **kwargs)
+
+        if checkpoint_every or offload or compile:
+            block.forward = torch.compile(forward) if compile else forward
+    return recomputed
 
 
 @dataclass(frozen=True)
@@ -111,6 +140,9 @@ def parallelize(
     cp_plan: str | None,
     gradient_checkpointing: bool,
     fsdp: bool,
+    checkpoint_every: int = 1,
+    offload_activations: bool = False,
+    compile: bool = False,
     reshard_after_forward: bool,
     param_dtype: torch.dtype | None,
     cp_transport: str = "torch",
@@ -119,20 +151,24 @@ def parallelize(
 
     1. CP hooks (diffusers' split/gather hooks + our trainable Ulysses): they wrap module forwards by name, so they
        must see the original modules, before checkpoint or FSDP wrappers hide or replace them.
-    2. Activation checkpointing: the recompute re-issues the same all-to-alls in the same order on every rank.
-    3. (compile would go here: after checkpointing, before FSDP, per block — not enabled on CPU.)
+    2. Activation levers, per block: checkpointing (every k-th block; the recompute re-issues the same all-to-alls
+       in the same order on every rank) and offload of saved activations to host memory.
+    3. torch.compile of each block's (checkpointed) forward: after checkpointing so the recompute is compiled too,
+       before FSDP so FSDP's hooks stay outside the compiled region. The CP attention (its all-to-alls and
+       backend op, a custom autograd function) is left out of the graph: a graph break at the attention op.
     4. FSDP2: `fully_shard` each block, then the root, over dp×cp with gradient divide factor dp, so gradients are
        SUMMED over CP and averaged over DP. Without FSDP, a plain all-reduce does the same after backward.
 
     Returns the gradient reduction in force (its self-check has already passed) and the model's CP state (its plan,
     layout registry and transport; None when cp = 1).
     """
-    check_replicated(model)
+    if not any(p.is_meta for p in model.parameters()):  # a sharded start checks its sources instead (modeling.py)
+        check_replicated(model.parameters())
     cp = None
     if mesh.dims.cp > 1:
         cp = enable_context_parallel(model, mesh=mesh.cp, plan=cp_plan, for_training=True, transport=cp_transport)
-    if gradient_checkpointing:
-        model.enable_gradient_checkpointing()
+    apply_activation_levers(repeated_blocks(model), checkpoint_every if gradient_checkpointing else None,
+                            offload=offload_activations, compile=compile)  # fmt: skip
     dp_group = mesh.dp.get_group() if mesh.dims.dp > 1 else None
     if fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

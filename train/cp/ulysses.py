@@ -308,6 +308,7 @@ class UlyssesAnythingAttention(torch.autograd.Function):
     """Drop-in, differentiable replacement for diffusers' `TemplatedUlyssesAnythingAttention` (same `.apply` args)."""
 
     @classmethod
+    @torch.compiler.disable  # under a compiled block: a graph break here, the all-to-alls and backend op run eagerly
     def apply(cls, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, *args, **kw):
         # User errors are raised here, before the first collective, so every rank fails the same way and none hangs.
         training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))

@@ -90,6 +90,48 @@ def tiny_config(name: str) -> dict[str, Any]:
     return dict(family_module(name).TINY_CONFIG)
 
 
+def real_configs(name: str) -> dict[str, dict[str, Any]]:
+    """The public transformer configs of family ``name``'s real checkpoints, shipped as data in
+    ``train/models/<family>/configs/<org>--<repo>[--<subfolder>].json``, keyed by hub id (plus ``/<subfolder>`` when
+    the transformer is not in ``transformer/``)."""
+    folder = Path(__file__).parent / name / "configs"
+    found: dict[str, dict[str, Any]] = {}
+    for path in sorted(folder.glob("*.json")):
+        org, repo, *sub = path.stem.split("--")
+        key = f"{org}/{repo}" + (f"/{sub[0]}" if sub else "")
+        found[key] = json.loads(path.read_text())
+    return found
+
+
+def transformer_config(
+    family: str,
+    *,
+    init_config: dict[str, Any] | None = None,
+    pretrained_path: str | None = None,
+    subfolder: str = "transformer",
+) -> dict[str, Any]:
+    """The transformer's constructor config without loading any weights: ``init_config`` when given, else the local
+    pipeline folder's ``<subfolder>/config.json``, else the shipped config of a real checkpoint's hub id."""
+    if init_config is not None:
+        return dict(init_config)
+    if pretrained_path is None:
+        raise ValueError("set model.pretrained_path or model.init_config")
+    local = Path(pretrained_path).expanduser()
+    if local.is_dir():
+        config = local / subfolder / "config.json" if subfolder else local / "config.json"
+        if not config.is_file():
+            raise ValueError(f"model.pretrained_path {pretrained_path}: no {config.relative_to(local)} in it")
+        return {k: v for k, v in json.loads(config.read_text()).items() if not k.startswith("_")}
+    shipped = real_configs(family)
+    key = pretrained_path if subfolder == "transformer" else f"{pretrained_path}/{subfolder}"
+    if key not in shipped:
+        raise ValueError(
+            f"model.pretrained_path {pretrained_path!r} is neither a local folder nor a checkpoint whose config "
+            f"train/models/{family}/configs/ ships (known: {sorted(shipped)}); download it and pass the folder"
+        )
+    return {k: v for k, v in shipped[key].items() if not k.startswith("_")}
+
+
 def build_tiny_pipeline(name: str, path: str | Path) -> Path:
     """Build the tiny pipeline of family ``name`` with fixed weights and save it to ``path`` (reused when already
     there); returns ``path``. Modular-only pipelines (MiniMax-H3) save modular_model_index.json, the others
@@ -118,6 +160,8 @@ __all__ = [
     "build_tiny_pipeline",
     "family_for_transformer",
     "family_module",
+    "real_configs",
+    "transformer_config",
     "family_names",
     "get_encoder",
     "get_family",

@@ -59,6 +59,8 @@ class FamilyEncoder(ABC):
     fixed_text_tokens: int | None = None
     """A text length the family requires whatever the recipe says (ChronoEdit: 512), or None."""
     default_geometry: Geometry
+    latent_strides: tuple[int, int, int] = (16, 1, 8)
+    """(latent channels, VAE temporal stride, VAE spatial stride) of the cached `latents` at the published VAE."""
 
     def __init__(self) -> None:
         self.pipe: Any = None
@@ -103,6 +105,15 @@ class FamilyEncoder(ABC):
             tr_config = None  # a folder without the transformer: the family's patch size
         g = self._geometry(vae_config, tr_config)
         return Geometry(self.name, self.spec.latent_kind, g[0], g[1], g[2], source=str(pretrained_path))
+
+    def latent_shapes(self, frames: int, height: int, width: int, fps: float | None) -> dict[str, tuple[int, ...]]:
+        """Per-sample shapes of the cached streams for a clip of this size (what `encode_media` writes), from the
+        published strides, nothing loaded: what `train.estimate` counts tokens from. Video: (C, F', H', W') with
+        F' = (frames - 1) // temporal + 1; image: (C, H', W')."""
+        channels, temporal, spatial = self.latent_strides
+        if self.spec.latent_kind == "image":
+            return {"latents": (channels, height // spatial, width // spatial)}
+        return {"latents": (channels, (frames - 1) // temporal + 1, height // spatial, width // spatial)}
 
     @abstractmethod
     def _geometry(self, vae_config: Mapping[str, Any], tr_config: Mapping[str, Any] | None) -> tuple[int, int, int]:

@@ -10,6 +10,7 @@ class FluxEncoder(FamilyEncoder):
     name = "flux"
     default_text_tokens = 512  # FluxPipeline.__call__(max_sequence_length=512); schnell checkpoints use 256
     default_geometry = Geometry("flux", "image", 16)
+    latent_strides = (16, 1, 8)
 
     def _geometry(self, vae_config, tr_config):
         # FluxPipeline.check_inputs: multiples of vae_scale_factor * 2 (latents are packed in 2x2 patches)

@@ -13,6 +13,7 @@ class Flux2Encoder(FamilyEncoder):
     name = "flux2"
     default_text_tokens = 512  # Flux2Pipeline.__call__(max_sequence_length=512)
     default_geometry = Geometry("flux2", "image", 16)
+    latent_strides = (128, 1, 16)  # the encoder caches 2×2-patchified latents
 
     def _geometry(self, vae_config, tr_config):
         # Flux2Pipeline.check_inputs: multiples of vae_scale_factor * 2 (latents are 2x2-patchified)

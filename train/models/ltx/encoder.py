@@ -15,6 +15,7 @@ class LTXEncoder(FamilyEncoder):
     name = "ltx"
     default_text_tokens = 128  # LTXPipeline.__call__(max_sequence_length=128)
     default_geometry = Geometry("ltx", "video", 32, 8, 1)
+    latent_strides = (128, 8, 32)
 
     def _geometry(self, vae_config, tr_config):
         scaling = vae_config.get("spatio_temporal_scaling", (True, True, True, False))

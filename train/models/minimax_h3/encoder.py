@@ -66,6 +66,17 @@ class MiniMaxH3Encoder(FamilyEncoder):
 
     name = "minimax_h3"
     default_geometry = Geometry("minimax_h3", "video", 32, 17, 5)
+    latent_strides = (24, 4, 16)
+
+    def latent_shapes(self, frames, height, width, fps):
+        from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
+            audio_latent_num_frames,
+            video_latent_num_frames,
+        )
+
+        # the video VAE encodes clips of 17 frames into 5 latent frames; audio latents at the released 24 fps
+        video = (24, video_latent_num_frames(frames, 17, 5), height // 16, width // 16)
+        return {"latents": video, "audio_latents": (2, 32, audio_latent_num_frames(frames, fps or 24.0))}
 
     def text_tokens(self, max_text_tokens: int | None) -> int | None:
         return max_text_tokens  # None: the whole prompt, as the pipeline encodes it (it neither pads nor truncates)

@@ -12,6 +12,10 @@ class QwenImageEncoder(FamilyEncoder):
     name = "qwenimage"
     default_text_tokens = 512  # QwenImagePipeline.__call__(max_sequence_length=512)
     default_geometry = Geometry("qwenimage", "image", 16)
+    latent_strides = (16, 1, 8)
+
+    def latent_shapes(self, frames, height, width, fps):
+        return {"latents": (16, 1, height // 8, width // 8)}  # Qwen-Image's VAE keeps a frame axis of 1
 
     def _geometry(self, vae_config, tr_config):
         # QwenImagePipeline: vae_scale_factor = 2 ** len(temperal_downsample); check_inputs wants multiples of x2

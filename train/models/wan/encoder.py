@@ -13,6 +13,7 @@ class WanEncoder(FamilyEncoder):
     name = "wan"
     default_text_tokens = 512  # WanPipeline.__call__(max_sequence_length=512)
     default_geometry = Geometry("wan", "video", 16, 4, 1)
+    latent_strides = (16, 4, 8)
 
     def _geometry(self, vae_config, tr_config):
         patch = transformer_patch(tr_config, "patch_size", (1, 2, 2))

@@ -1,0 +1,124 @@
+"""Peak resident memory per rank of a real training launch, as a fraction of the bf16 model: sharded start vs every
+rank loading the whole model.
+
+    python -m bench.startup_memory [--layers 30] [--method lora] [--nproc 4]
+
+A pretrained Wan2.1-T2V-1.3B transformer (its real config: 30 blocks of 12 heads × 128, ffn 8960, text_dim 4096;
+random weights; `--layers` changes the block count) is written once as a local bf16 folder; `train/finetune.py`
+then runs through `accelerate launch` on 4 CPU processes (cp 2 × dp_shard 2) for one step at a short sequence (so
+the weights dominate), once per loading path.
+Measured: the largest descendant's peak RSS (`getrusage(RUSAGE_CHILDREN)` of a fresh parent process), minus the
+same launch of the tiny recipe (imports, process group, allocator: ~0.4-0.5 GiB per rank). glibc is told to return
+large frees to the OS at once (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`), so RSS tracks live memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# Wan2.1-T2V-1.3B's transformer config (30 blocks: one block is 1/31 of the weights).
+WAN_1_3B = {
+    "patch_size": [1, 2, 2], "num_attention_heads": 12, "attention_head_dim": 128, "in_channels": 16,
+    "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 8960, "num_layers": 30, "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024,
+}  # fmt: skip
+# glibc: allocations ≥ 64 KiB are mmapped and unmapped on free (no dynamic threshold growth keeping freed model-size
+# buffers in the heap), so the peak RSS is the peak of live memory plus a small heap.
+ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "2"}
+
+
+def build_mid_folder(path: Path, layers: int) -> int:
+    """Write the mid-size transformer (random bf16 weights, N(0, 0.02)) as a pipeline folder's `transformer/`;
+    returns its parameter bytes. Built on the meta device and filled in place: no fp32 copy of the whole model."""
+    import diffusers
+    import torch
+
+    config = {**WAN_1_3B, "num_layers": layers}
+    target = path / "transformer"
+    if not (target / "config.json").exists():
+        with torch.device("meta"):
+            model = diffusers.WanTransformer3DModel.from_config(config)
+        model = model.to_empty(device="cpu").to(torch.bfloat16)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.02, generator=gen)
+        model.save_pretrained(target, max_shard_size="400MB")
+    cfg = json.loads((target / "config.json").read_text())
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    with torch.device("meta"):
+        model = diffusers.WanTransformer3DModel.from_config(cfg)
+    return sum(p.numel() * 2 for p in model.parameters())
+
+
+_MEASURE = """
+import resource, subprocess, sys
+proc = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+if proc.returncode != 0:
+    sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
+    sys.exit(proc.returncode)
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
+"""
+
+
+def launch_peak(out_dir: Path, nproc: int, recipe: str, *overrides: str) -> int:
+    """Peak RSS (bytes) of the largest process of one `accelerate launch` of the trainer."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu.yaml",
+           "--num_processes", str(nproc), "train/finetune.py", "--recipe", recipe, "--set", f"output_dir={out_dir}",
+           "--set", "logging.progress_bar=false", "--set", "logging.wandb_mode=disabled",
+           *[a for o in overrides for a in ("--set", o)]]  # fmt: skip
+    env = {**os.environ, **ALLOCATOR_ENV, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-c", _MEASURE, *cmd], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"launch failed: {' '.join(cmd)}\n{proc.stderr[-6000:]}")
+    return int(proc.stdout.strip().splitlines()[-1])
+
+
+def mid_overrides(folder: Path, method: str, sharded: bool, cp: int = 2) -> list[str]:
+    """The tiny Wan recipe pointed at the mid-size folder: one step, 32 video tokens, 16 text tokens."""
+    return [f"model.pretrained_path={folder}", "model.init_config=null", "model.dtype=bfloat16",
+            f"model.sharded_load={str(sharded).lower()}", f"parallel.cp={cp}", "train.max_steps=1",
+            "train.batch_size=1", "train.mixed_precision=bf16", f"finetune.method={method}", "checkpoint.export=none",
+            "data.synthetic.shapes={latents: [16, 2, 8, 8], prompt_embeds: [16, 4096]}"]  # fmt: skip
+
+
+def measure(work: Path, layers: int, method: str, nproc: int, paths: tuple[bool, ...] = (True, False)) -> dict:
+    folder = work / "mid"
+    model_bytes = build_mid_folder(folder, layers)
+    base = launch_peak(work / "base", nproc, "recipes/tiny/wan.yaml", "parallel.cp=2", "train.max_steps=1",
+                       "checkpoint.export=none")  # fmt: skip
+    result = {"model_bytes": model_bytes, "baseline_bytes": base, "layers": layers, "method": method, "nproc": nproc}
+    for sharded in paths:
+        peak = launch_peak(work / f"run_{sharded}", nproc, "recipes/tiny/wan.yaml",
+                           *mid_overrides(folder, method, sharded))  # fmt: skip
+        result["sharded" if sharded else "whole"] = (peak - base) / model_bytes
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--method", choices=["lora", "full"], default="lora")
+    parser.add_argument("--nproc", type=int, default=4)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        r = measure(Path(tmp), args.layers, args.method, args.nproc)
+    gib = 2**30
+    print(f"Wan 1.3B ({args.layers} blocks): bf16 model {r['model_bytes'] / gib:.2f} GiB; "
+          f"baseline (tiny launch) {r['baseline_bytes'] / gib:.2f} GiB per rank; {args.nproc} ranks cp 2, "
+          f"{args.method}, one step")  # fmt: skip
+    print("| loading | peak RSS of the largest rank − baseline, × bf16 model |\n|---|---|")
+    print(f"| sharded start (model.sharded_load: true) | {r['sharded']:.2f} |")
+    print(f"| whole model on every rank (model.sharded_load: false) | {r['whole']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""train.estimate: calibration files present and current for every family; predicted vs MEASURED peak per rank on
+CPU for a mid-size Wan (CP 1/2/4 × LoRA/full × checkpointing off/on) within ±15%; the CLI and the startup check.
+
+Measured = the peak of live tensor storage bytes (`LiveBytes`) over the real trainer's model build (sharded start from
+a pretrained folder) and one training step, per rank, in one 4-rank gloo spawn that builds a mesh per CP degree (the
+FSDP group is always dp_shard × cp = 4 ranks, so parameter shards are equal and activations shrink with cp).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from train import estimate as est
+from train.config import recipe_from_dict
+from train.models import family_names
+
+# Wan2.1's head dim and ffn ratio at 2 heads, 3 blocks (the calibration instance has other depth and text width):
+# 1,024 video tokens (4 × 16 × 16 after the 1×2×2 patch) + 64 text tokens per sample.
+MID_CONFIG = {"patch_size": [1, 2, 2], "num_attention_heads": 2, "attention_head_dim": 128, "in_channels": 16,
+              "out_channels": 16, "text_dim": 384, "freq_dim": 256, "ffn_dim": 1536, "num_layers": 3,
+              "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6,
+              "rope_max_seq_len": 1024}  # fmt: skip
+SHAPES = {"latents": [16, 4, 32, 32], "prompt_embeds": [64, 384]}
+CASES = [(cp, method, ckpt) for cp in (1, 2, 4) for method in ("lora", "full") for ckpt in (False, True)]
+WORLD = 4
+TOLERANCE = 0.15
+
+
+def mid_recipe(folder: str, cp: int, method: str, ckpt: bool) -> dict:
+    return {
+        "model": {"family": "wan", "pretrained_path": folder, "dtype": "float32"},
+        "parallel": {"cp": cp, "dp_shard": -1, "memory_check": "off"},
+        "train": {"max_steps": 1, "batch_size": 1, "gradient_checkpointing": ckpt, "mixed_precision": "no",
+                  "seed": 0},
+        "finetune": {"method": method, "lora_rank": 16},
+        "data": {"synthetic": {"num_samples": 8, "shapes": SHAPES}, "shuffle": False},
+        "logging": {"wandb_mode": "disabled", "progress_bar": False},
+    }  # fmt: skip
+
+
+def write_mid_folder(path) -> str:
+    import diffusers
+
+    torch.manual_seed(0)
+    model = diffusers.WanTransformer3DModel.from_config(MID_CONFIG)
+    model.save_pretrained(path / "transformer")
+    return str(path)
+
+
+def _measure_all(rank: int, world: int, folder: str) -> list[int]:
+    """Peak live bytes of build + one step per case, on this rank."""
+    import warnings
+
+    from train.data.batches import build_dataset, make_batches
+    from train.finetune import Trainer, build_optimizer, train_step
+    from train.modeling import build_model, family_spec
+    from train.parallel import ParallelDims
+
+    warnings.filterwarnings("ignore")
+    device, peaks = torch.device("cpu"), []
+    for cp, method, ckpt in CASES:
+        recipe = recipe_from_dict(mid_recipe(folder, cp, method, ckpt))
+        mesh = ParallelDims(*recipe.parallel.resolve(world)).build("cpu")
+        spec = family_spec(recipe.model)
+        batches = make_batches(build_dataset(recipe, spec), recipe, mesh.dp_rank, mesh.dims.dp, device)
+        gc.collect()
+        with est.LiveBytes() as live:
+            model, parallel = build_model(recipe, spec, mesh, device)
+            params = [p for p in model.parameters() if p.requires_grad]
+            optimizer, scheduler = build_optimizer(params, recipe.train)
+            trainer = Trainer(recipe.train, spec, model, params, optimizer, scheduler, parallel, batches, mesh, device,
+                              None)  # fmt: skip
+            train_step(trainer, 0)
+            del trainer, model, parallel, params, optimizer, scheduler
+        peaks.append(live.peak)
+        gc.collect()
+    return peaks
+
+
+@pytest.mark.parametrize("family", family_names())
+def test_calibration_present_and_current(family):
+    """Every family ships a calibration measured for its current instance (re-run `--calibrate FAMILY` if not)."""
+    assert est.calibration_status(family) is None, est.calibration_status(family)
+
+
+def test_predicted_peak_matches_measured_on_cpu(tmp_path):
+    folder = write_mid_folder(tmp_path)
+    measured = run_distributed(_measure_all, WORLD, folder)
+    rows, bad = [], []
+    for i, (cp, method, ckpt) in enumerate(CASES):
+        recipe = recipe_from_dict(mid_recipe(folder, cp, method, ckpt))
+        predicted = est.estimate(recipe, WORLD, "cpu").first_step_peak
+        worst = max(measured, key=lambda per_rank: abs(per_rank[i] - predicted))[i]
+        rows.append(f"cp {cp} {method:4} ckpt {ckpt!s:5}: predicted {predicted / 2**20:7.1f} MiB, measured "
+                    f"{worst / 2**20:7.1f} MiB ({predicted / worst - 1:+.1%})")  # fmt: skip
+        if abs(predicted / worst - 1) > TOLERANCE:
+            bad.append(rows[-1])
+    print("\n".join(rows))
+    assert not bad, "\n".join(bad)
+
+
+def test_startup_check_refuses_warns_and_passes(tmp_path):
+    folder = write_mid_folder(tmp_path)
+    data = mid_recipe(folder, 2, "full", False)
+    cpu = torch.device("cpu")
+    line = est.startup_check(recipe_from_dict({**data, "parallel": {"cp": 2, "memory_check": "refuse"}}), 4, cpu)
+    assert line.startswith("predicted peak per rank") and " of " not in line  # CPU: no device limit unless set
+    peak = est.estimate(recipe_from_dict(data), 4, "cpu").peak / est.GIB
+    tight = {"cp": 2, "memory_check": "refuse", "device_memory_gib": peak / 2}
+    with pytest.raises(ValueError, match="predicted peak per rank .* over by more than"):
+        est.startup_check(recipe_from_dict({**data, "parallel": tight}), 4, cpu)
+    warned = est.startup_check(recipe_from_dict({**data, "parallel": {**tight, "memory_check": "warn"}}), 4, cpu)
+    assert warned.startswith("warning:")
+    inside = {**tight, "device_memory_gib": peak / (1 + est.REFUSE_MARGIN / 2)}  # over, but inside the error band
+    assert not est.startup_check(recipe_from_dict({**data, "parallel": inside}), 4, cpu).startswith("warning")

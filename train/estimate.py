@@ -1,0 +1,688 @@
+"""Will it fit? Predict the memory per rank of a recipe before launching it, and suggest the smallest change that fits.
+
+    python -m train.estimate --recipe recipes/wan/14b_lora.yaml --gpus 16 --gpu-memory 80GiB
+    python -m train.estimate --calibrate [family ...]      # re-measure train/models/<family>/calibration.json
+
+Per rank: parameters, gradients and optimizer state (counted exactly on a meta-device build of the family's real
+transformer config, LoRA included, sharded over the FSDP group dp_shard × cp as FSDP2 pads dim 0), the FSDP2 working
+set (the gathered blocks in flight and the root that stays gathered), activations (per block × blocks, the
+checkpointed blocks keeping only their inputs), the CP all-to-all buffers, and the peak: the larger of forward/backward
+and the optimizer step.
+
+Activation bytes come from a calibration MEASURED per family on CPU (`--calibrate`): a mid-size instance of the
+family's transformer (the config and synthetic shapes in its calibration.json, `instance`) runs forward under
+`saved_tensors_hooks` (unique storages, parameters excluded) and forward + backward under a live-storage tracker
+(`LiveBytes`), at four (image tokens, text tokens) points per precision (fp32; bf16 autocast as on GPU) and method
+(full; LoRA on the family's targets, whose frozen linears save less). Each quantity is fitted as
+`a·N + b·N² + t·T + c` and stored per unit of width (the blocks' linear in+out features; the hidden size for a
+block's input), so it transfers to the real config. torch's CPU SDPA runs its flash kernel (saves out + LSE): the
+fitted b is ~0, as on GPU flash/cudnn/efficient kernels; for backends that materialise the scores (`_native_math`,
+eager) the estimate adds heads × Sq × Skv per attention call, counted in the calibration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import hashlib
+import json
+import math
+import re
+import sys
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from train.config import Recipe, add_recipe_args, recipe_from_args
+
+GIB = 2**30
+MODELS_DIR = Path(__file__).resolve().parent / "models"
+CALIBRATION_VERSION = 1  # bump when what `calibrate` measures changes: every calibration.json is then stale
+# A prediction "clearly exceeds" the device when it is over by more than the estimate's validated error (±15% on CPU,
+# tests/test_estimate.py): refusing inside that band would refuse runs that fit.
+REFUSE_MARGIN = 0.15
+# Backends whose attention saves the (heads, Sq, Skv) probabilities for backward; the others save out + LSE only.
+SCORE_BACKENDS = ("_native_math", "eager")
+
+
+# --------------------------------------------------------------------------------------------------- live storage
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensor storages alive on `device_type`, and their peak, over what runs inside the mode.
+
+    Allocator-agnostic (what `torch.distributed._tools.mem_tracker.MemTracker` does, without its per-module
+    snapshots): every op's outputs are tracked by storage (a weak reference frees them), and
+    `UntypedStorage.resize_` (how FSDP2 frees and re-allocates gathered parameters) is patched to update the count.
+    Storages created before entering, or outside the dispatcher, are not seen."""
+
+    def __init__(self, device_type: str = "cpu", exclude: Callable[[], int] | None = None) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.exclude = exclude  # bytes not to count in the peak (e.g. the gradients alive now), polled per op
+        self.sizes: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.current = 0
+        self.peak = 0
+        self._orig_resize = torch.UntypedStorage.resize_
+
+    def _freed(self, box: list[int], _ref: Any) -> None:
+        self.current -= box[0]
+
+    def track(self, t: torch.Tensor) -> None:
+        if t.device.type != self.device_type or t.is_meta:
+            return
+        st = t.untyped_storage()
+        if st in self.sizes:
+            return
+        box = [st.nbytes()]
+        self.sizes[st] = (box, weakref.ref(st, lambda r, box=box: self._freed(box, r)))
+        self.current += box[0]
+
+    def _update_peak(self) -> None:
+        self.peak = max(self.peak, self.current - (self.exclude() if self.exclude else 0))
+
+    def reset_peak(self) -> None:
+        self.peak = 0
+        self._update_peak()
+
+    def __enter__(self) -> LiveBytes:
+        tracker, orig = self, self._orig_resize
+
+        def resize_(st: torch.UntypedStorage, size: int) -> None:
+            orig(st, size)
+            entry = tracker.sizes.get(st)
+            if entry is not None:
+                tracker.current += st.nbytes() - entry[0][0]
+                entry[0][0] = st.nbytes()
+                tracker._update_peak()
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *args: Any) -> None:
+        torch.UntypedStorage.resize_ = self._orig_resize
+        super().__exit__(*args)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor run its local ops, which this mode then sees
+        out = func(*args, **(kwargs or {}))
+        # an output sharing an input's storage (a view, an in-place or out= op) allocated nothing: a view of a storage
+        # made before entering (a parameter) must not count as new
+        given = {t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor) and not t.is_meta}  # fmt: skip
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not t.is_meta and t.untyped_storage()._cdata not in given:
+                self.track(t)
+        self._update_peak()
+        return out
+
+
+# --------------------------------------------------------------------------------------------------- model shape
+
+
+def _padded_shard_numel(shape: Sequence[int], shards: int) -> int:
+    """Elements FSDP2 allocates per rank for one parameter: dim 0 padded to a multiple of the group size."""
+    if not shape:
+        return 1
+    rest = math.prod(shape[1:])
+    return math.ceil(shape[0] / shards) * rest
+
+
+def _linear_width(module: torch.nn.Module) -> int:
+    """Σ (in + out) features of the nn.Linear layers in `module` (LoRA's own small linears excluded): the unit that
+    per-token activation bytes scale with (each linear saves its input, the activations between them are as wide)."""
+    width = 0
+    for name, m in module.named_modules():
+        if isinstance(m, torch.nn.Linear) and ".lora_" not in f".{name}":
+            width += m.in_features + m.out_features
+    return width
+
+
+def _inner_dim(config: Mapping[str, Any]) -> int:
+    """The width of the token stream (what a checkpointed block keeps per token): heads × head dim."""
+    return int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What a recipe's model holds, counted on the meta device (per parameter: numel, dtype, trainable, in a block)."""
+
+    params: tuple[tuple[tuple[int, ...], int, bool, int], ...]  # (shape, element size, trainable, block index or -1)
+    n_blocks: int
+    linear_width: float  # mean Σ(in+out) linear features per block
+    inner_dim: int
+    heads: int
+
+    def select(self, trainable: bool | None = None, block: int | None = None) -> list[tuple[tuple[int, ...], int]]:
+        return [(s, e) for s, e, tr, b in self.params
+                if (trainable is None or tr == trainable) and (block is None or b == block)]  # fmt: skip
+
+    def numel(self, trainable: bool | None = None) -> int:
+        return sum(math.prod(s) for s, _ in self.select(trainable))
+
+
+def model_shape(recipe: Recipe) -> ModelShape:
+    """The recipe's transformer built on the meta device (the family's real config), LoRA / full applied."""
+    from train.modeling import apply_finetune, family_spec, meta_transformer
+    from train.parallel import repeated_blocks
+
+    spec = family_spec(recipe.model)
+    model = meta_transformer(recipe.model, spec)
+    apply_finetune(model, recipe.finetune, spec)
+    blocks = repeated_blocks(model)
+    where = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
+    params = tuple((tuple(p.shape), p.element_size(), p.requires_grad, where.get(id(p), -1))
+                   for p in model.parameters())  # fmt: skip
+    width = sum(_linear_width(b) for b in blocks) / max(len(blocks), 1)
+    config = model.config
+    return ModelShape(params, len(blocks), width, _inner_dim(config), int(config["num_attention_heads"]))
+
+
+# ------------------------------------------------------------------------------------------------- tokens per sample
+
+
+def sample_tokens(recipe: Recipe) -> tuple[int, int]:
+    """(transformer tokens of the noised streams after patching, text tokens) of one sample at the recipe's
+    resolution: from `data.synthetic.shapes` through the spec's `tokens_per_sample`, else from the largest bucket
+    and the family's size rules (`Geometry`: spatial multiple = VAE stride × patch, frames period × offset), as
+    `train.prepare.check_geometry` checks them."""
+    from train.data.media import Bucket
+    from train.modeling import family_spec
+    from train.models import get_encoder, transformer_config
+
+    m, data = recipe.model, recipe.data
+    spec = family_spec(m)
+    if data.synthetic is not None:
+        shapes = data.synthetic.shapes
+        config = transformer_config(m.family, init_config=m.init_config, pretrained_path=m.pretrained_path,
+                                    subfolder=m.subfolder)  # fmt: skip
+        tokens = spec.tokens_per_sample({s: shapes[s] for s in spec.streams}, config)
+        text = shapes[spec.text_kwarg if spec.text_kwarg in shapes else "prompt_embeds"][0]
+        return tokens, text
+    # a hub id is not fetched for an estimate: the family's published strides (a local folder gives its own)
+    local = m.pretrained_path is not None and Path(m.pretrained_path).expanduser().is_dir()
+    encoder = get_encoder(m.family)
+    g = encoder.geometry(m.pretrained_path if local else None, m.revision)
+    buckets = [Bucket.parse(x) for x in data.resolved(m).buckets]
+    g.check(buckets)  # what train.prepare.check_geometry checks
+    config = transformer_config(m.family, init_config=m.init_config, pretrained_path=m.pretrained_path,
+                                subfolder=m.subfolder)  # fmt: skip
+    tokens = max(spec.tokens_per_sample(encoder.latent_shapes(b.frames, b.height, b.width, data.fps), config)
+                 for b in buckets)  # fmt: skip
+    return tokens, encoder.text_tokens(data.max_text_tokens) or encoder.default_text_tokens
+
+
+# ------------------------------------------------------------------------------------------------------ calibration
+
+
+def calibration_path(family: str) -> Path:
+    return MODELS_DIR / family / "calibration.json"
+
+
+def _instance_hash(family: str, instance: Mapping[str, Any]) -> str:
+    from train.models import get_family
+
+    key = {"family": family, "class": get_family(family).transformer_class, "instance": instance,
+           "version": CALIBRATION_VERSION, "torch": torch.__version__.split("+")[0]}  # fmt: skip
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_calibration(family: str) -> dict[str, Any]:
+    path = calibration_path(family)
+    if not path.is_file():
+        raise ValueError(f"no activation calibration for family {family!r} ({path}); run "
+                         f"`python -m train.estimate --calibrate {family}`")  # fmt: skip
+    return json.loads(path.read_text())
+
+
+def calibration_status(family: str) -> str | None:
+    """None when the family's calibration.json is present and measured for its current instance; else why not."""
+    path = calibration_path(family)
+    if not path.is_file():
+        return f"{path} is missing"
+    data = json.loads(path.read_text())
+    if "fit" not in data:
+        return f"{path} has no fit (never calibrated)"
+    if data.get("hash") != _instance_hash(family, data["instance"]):
+        return f"{path} is stale (its instance, the transformer class, torch or CALIBRATION_VERSION changed)"
+    return None
+
+
+def _scaled_shapes(instance: Mapping[str, Any], grid: int, text: int) -> dict[str, list[int]]:
+    """The instance's synthetic shapes with the latent grid's last axis × `grid` (and every tensor shaped like the
+    latents alike) and the text length × `text`."""
+    base = instance["shapes"]
+    out = {}
+    for key, shape in base.items():
+        shape = list(shape)
+        if shape == base["latents"]:
+            shape[-1] *= grid
+        elif key.startswith("prompt"):
+            shape[0] *= text
+        out[key] = shape
+    return out
+
+
+def _forward_kwargs(family: str, model: torch.nn.Module, shapes: Mapping[str, list[int]], dtype: torch.dtype):
+    from train.data.dataset import collate
+    from train.data.synthetic_latents import SyntheticLatentDataset
+    from train.models import get_family
+
+    spec = get_family(family)
+    batch = collate([SyntheticLatentDataset(1, dict(shapes), 0, dtype)[0]])
+    noisy = {s: batch[s] for s in spec.streams}
+    sigmas = {s: torch.full((1,), 0.5) for s in spec.streams}
+    kwargs = spec.forward_kwargs(batch, noisy, sigmas, model_config=model.config)
+    latents = {s: batch[s].shape[1:] for s in spec.streams}
+    return kwargs, spec.tokens_per_sample(latents, model.config)
+
+
+def _measure(
+    family: str, instance: Mapping[str, Any], method: str, precision: str, grid: int, text: int, with_peak: bool
+) -> dict[str, float]:
+    """One calibration point: per-block saved bytes, a block's own inputs, saved bytes outside the blocks, the
+    activation peak of forward + backward above params and grads (plain, then with every block checkpointed), and
+    the attention score elements per block (heads × Sq × Skv summed over its SDPA calls)."""
+    import diffusers
+
+    from train.config import FinetuneConfig
+    from train.modeling import apply_finetune
+    from train.models import get_family
+    from train.parallel import apply_activation_levers, repeated_blocks
+
+    spec = get_family(family)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    torch.manual_seed(0)
+    model = getattr(diffusers, spec.transformer_class).from_config(instance["config"]).to(dtype).train()
+    model.set_attention_backend("native")
+    apply_finetune(model, FinetuneConfig(method=method), spec)
+    if precision == "bf16":
+        model.to(dtype)  # what FSDP2's param_dtype gives the compute on GPU (LoRA's fp32 adapters too)
+    shapes = _scaled_shapes(instance, grid, text)
+    kwargs, tokens = _forward_kwargs(family, model, shapes, dtype)
+    text_tokens = shapes["prompt_embeds"][0]
+    blocks = repeated_blocks(model)
+    params = {p.untyped_storage()._cdata for p in model.parameters()} | {b.untyped_storage()._cdata
+                                                                         for b in model.buffers()}  # fmt: skip
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+
+    # 1. saved tensors, by storage, attributed to the block (or the outside) that first saved them
+    seen: set[int] = set()
+    current = [-1]  # the block running now, -1 outside the blocks
+    saved = [0] * (len(blocks) + 1)  # per block; the last entry is outside the blocks
+    inputs = [0] * len(blocks)
+    scores = [0] * len(blocks)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st._cdata not in params and st._cdata not in seen:
+            seen.add(st._cdata)
+            saved[current[0]] += st.nbytes()
+        return t
+
+    class CountScores(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "scaled_dot_product" in func.__name__ and current[0] >= 0:
+                q, k = args[0], args[1]  # (B, H, Sq, D), (B, H, Skv, D)
+                scores[current[0]] += q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+            return func(*args, **(kwargs or {}))
+
+    def enter(i: int) -> Callable:
+        def hook(module: torch.nn.Module, args: tuple, kw: dict) -> None:
+            current[0] = i
+            fresh = [t.untyped_storage().nbytes() for t in torch.utils._pytree.tree_leaves((args, kw))
+                     if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in seen]  # fmt: skip
+            inputs[i] = max(fresh, default=0)  # the hidden states (text, temb, rope were saved by block 0 already)
+
+        return hook
+
+    def leave(module: torch.nn.Module, args: tuple, out: Any) -> None:
+        current[0] = -1
+
+    handles = [b.register_forward_pre_hook(enter(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    handles += [b.register_forward_hook(leave) for b in blocks]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), CountScores(), amp:
+        model(**kwargs, return_dict=False)
+    for h in handles:
+        h.remove()
+
+    n = len(blocks)
+    row = {"tokens": tokens, "text": text_tokens, "block": sum(saved[:-1]) / n, "input": sum(inputs[1:]) / (n - 1),
+           "outside": saved[-1], "scores": sum(scores) / n}  # fmt: skip
+    if not with_peak:
+        return row
+
+    # 2. the peak of forward + backward above the parameters and the gradients alive at each moment
+    grads = [0]
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda p: grads.__setitem__(0, grads[0] + p.grad.nbytes))
+
+    def peak() -> int:
+        gc.collect()
+        grads[0] = 0
+        with LiveBytes(exclude=lambda: grads[0]) as live:
+            with amp:
+                out = model(**kwargs, return_dict=False)
+            loss = sum(o.float().square().mean() for o in torch.utils._pytree.tree_leaves(out)
+                       if isinstance(o, torch.Tensor))  # fmt: skip
+            del out
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+        return live.peak
+
+    row["peak"] = peak()
+    apply_activation_levers(blocks, checkpoint_every=1, offload=False, compile=False)
+    row["peak_ckpt"] = peak()
+    return row
+
+
+# Calibration points, (latent grid ×, text ×) of the instance's shapes: bytes are fitted on the first four (N, N², T,
+# 1: exact there), attention score elements (forward only, cheap) on all six (N, N², T, T², N·T, 1: joint attention
+# over N + T tokens has them all).
+POINTS = ((1, 1), (2, 1), (3, 1), (1, 2), (2, 2), (1, 3))
+BYTES_FEATURES = ("N", "N2", "T", "1")
+SCORE_FEATURES = ("N", "N2", "T", "T2", "NT", "1")
+
+
+def _features(n: float, t: float) -> dict[str, float]:
+    return {"N": n, "N2": n * n, "T": t, "T2": t * t, "NT": n * t, "1": 1.0}
+
+
+def _fit(rows: list[dict[str, float]], key: str, unit: float, features: Sequence[str]) -> dict[str, float]:
+    """Least-squares coefficients of `key` per `unit` of width on `features`."""
+    import numpy as np
+
+    a = np.array([[_features(r["tokens"], r["text"])[f] for f in features] for r in rows], dtype=np.float64)
+    y = np.array([r[key] / unit for r in rows], dtype=np.float64)
+    coef = np.linalg.lstsq(a, y, rcond=None)[0]
+    return {f: float(c) for f, c in zip(features, coef, strict=True)}
+
+
+def _eval(fit: Mapping[str, float], n: float, t: float) -> float:
+    x = _features(n, t)
+    return sum(c * x[f] for f, c in fit.items())
+
+
+def calibrate(family: str, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Measure the family's instance (calibration.json `instance`) and write the fit back into the file."""
+    import diffusers
+    from diffusers.utils import logging as dlogging
+
+    from train.config import FinetuneConfig
+    from train.modeling import apply_finetune
+    from train.models import get_family
+    from train.parallel import repeated_blocks
+
+    dlogging.set_verbosity_error()  # the dtype-cast and attention-backend notes, once per point
+    path = calibration_path(family)
+    data = json.loads(path.read_text())
+    instance = data["instance"]
+    spec = get_family(family)
+    with torch.device("meta"):
+        meta = getattr(diffusers, spec.transformer_class).from_config(instance["config"])
+    apply_finetune(meta, FinetuneConfig(method="lora"), spec)
+    blocks = repeated_blocks(meta)
+    width = sum(_linear_width(b) for b in blocks) / len(blocks)
+    inner, heads = _inner_dim(instance["config"]), int(instance["config"]["num_attention_heads"])
+    fit: dict[str, Any] = {}
+    for precision in ("fp32", "bf16"):
+        for method in ("full", "lora"):
+            rows = [_measure(family, instance, method, precision, g, t, i < len(BYTES_FEATURES))
+                    for i, (g, t) in enumerate(POINTS)]  # fmt: skip
+            n_blocks, all_rows, rows = len(blocks), rows, rows[: len(BYTES_FEATURES)]
+            for r in rows:  # what forward + backward adds on top of the saved activations (gradients in flight, ...)
+                r["work"] = r["peak"] - n_blocks * r["block"] - r["outside"]
+                r["work_ckpt"] = r["peak_ckpt"] - n_blocks * r["input"] - r["outside"]
+            fit[f"{precision}/{method}"] = {
+                **{k: _fit(rows, k, width, BYTES_FEATURES) for k in ("block", "outside", "work", "work_ckpt")},
+                "input": _fit(rows, "input", inner, BYTES_FEATURES),
+                "scores": _fit(all_rows, "scores", heads, SCORE_FEATURES),
+                "points": [{k: int(v) for k, v in r.items()} for r in all_rows],
+            }
+            r = rows[2]
+            log(f"{family} {precision}/{method}: {r['tokens']} tokens + {r['text']} text: block "
+                f"{r['block'] / 2**20:.1f}"
+                f" MiB saved, input {r['input'] / 2**20:.2f} MiB, outside {r['outside'] / 2**20:.1f} MiB, work "
+                f"{r['work'] / 2**20:.1f} MiB (checkpointed {r['work_ckpt'] / 2**20:.1f} MiB)")  # fmt: skip
+    data.update(hash=_instance_hash(family, instance), width={"linear": width, "inner": inner, "heads": heads},
+                fit=fit)  # fmt: skip
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
+# -------------------------------------------------------------------------------------------------------- estimate
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """Bytes per rank, by component; `peak` is the larger of forward/backward and the optimizer step."""
+
+    components: dict[str, float]
+    peak: float
+    first_step_peak: float  # the first step's: AdamW creates its state in the optimizer step, after backward
+    host: float  # saved activations offloaded to host memory (train.offload_activations)
+    all_to_all: float  # CP all-to-all bytes sent per rank per optimizer step
+    tokens: int  # per sample, after patching
+    text: int
+    layout: str
+
+    def table(self, device_gib: float | None) -> str:
+        lines = [f"{self.layout}; {self.tokens:,} tokens + {self.text} text tokens per sample"]
+        lines += [f"  {name:<34}{b / GIB:9.2f} GiB" for name, b in self.components.items()]
+        lines.append(f"  {'predicted peak':<34}{self.peak / GIB:9.2f} GiB")
+        if device_gib is not None:
+            lines.append(f"  {'device memory':<34}{device_gib:9.2f} GiB")
+        if self.host:
+            lines.append(f"  {'host memory (offloaded activations)':<34}{self.host / GIB:9.2f} GiB")
+        lines.append(f"  {'CP all-to-all sent per step':<34}{self.all_to_all / GIB:9.2f} GiB")
+        return "\n".join(lines)
+
+
+def _precision(recipe: Recipe, device_type: str) -> str:
+    """The activation precision of the step: bf16 when the blocks compute in bf16 (FSDP's param_dtype on CUDA under
+    mixed precision, or bf16 autocast), else fp32."""
+    mp = recipe.train.mixed_precision
+    return "bf16" if mp == "bf16" or (mp == "auto" and device_type == "cuda") else "fp32"
+
+
+def estimate(recipe: Recipe, world_size: int, device_type: str = "cuda", shape: ModelShape | None = None) -> Estimate:
+    """Predicted memory per rank of `recipe` on `world_size` ranks of `device_type` (steady state: the optimizer
+    state exists during forward and backward)."""
+    p, t = recipe.parallel, recipe.train
+    rep, shard, cp = p.resolve(world_size)
+    shape = shape or model_shape(recipe)
+    fsdp = shard * cp if p.fsdp else 1  # FSDP2 shards over dp_shard × cp, replicates over dp_replicate
+    cuda = device_type == "cuda"
+    compute = torch.bfloat16 if cuda and t.mixed_precision != "no" else None  # FSDP2 param_dtype (modeling.py)
+
+    def sharded(trainable: bool | None, elem: int | None = None, block: int | None = None) -> float:
+        return sum(_padded_shard_numel(s, fsdp) * (elem or e) for s, e in shape.select(trainable, block))
+
+    def gathered(block: int, trainable: bool | None = None) -> float:
+        return sum(math.prod(s) * (compute.itemsize if compute else e) for s, e in shape.select(trainable, block))
+
+    c: dict[str, float] = {}
+    c["parameters"] = sharded(None)
+    c["gradients"] = sharded(True, 4)  # fp32, sharded (FSDP2 reduce-scatters into the shard)
+    c["optimizer state (AdamW)"] = 2 * sharded(True, 4)
+    # FSDP2: the root (outside the blocks) stays gathered from forward to backward; a block in flight is gathered
+    # while the next one is prefetched; its all-gather output is copied out into the parameters (one more block);
+    # backward adds its unsharded gradients and their fp32 reduce-scatter input.
+    if p.fsdp and fsdp > 1:
+        biggest = max(range(shape.n_blocks), key=gathered)
+        per_block = gathered(biggest)
+        kept = shape.n_blocks * per_block if not p.reshard_after_forward else 0.0
+        c["FSDP gathered root + blocks"] = gathered(-1) + kept + 2 * per_block
+        c["FSDP reduce-scatter buffer"] = sharded(True, 4, biggest) * fsdp  # one block's fp32 gradients, flat
+    cal = load_calibration(recipe.model.family)
+    fit = cal["fit"][f"{_precision(recipe, device_type)}/{recipe.finetune.method}"]
+    tokens, text = sample_tokens(recipe)
+    n, b = math.ceil(tokens / cp), t.batch_size  # the sequence is split over cp; text is not (conservative)
+    width, inner = shape.linear_width, shape.inner_dim
+    block = b * _eval(fit["block"], n, text) * width
+    if recipe.model.attention_backend in SCORE_BACKENDS:  # probabilities saved per attention call: (B, H/cp, S, S)
+        elem = 2 if _precision(recipe, device_type) == "bf16" else 4
+        block += b * _eval(fit["scores"], tokens, text) * shape.heads / cp * elem
+    recomputed = math.ceil(shape.n_blocks / t.checkpoint_every) if t.gradient_checkpointing else 0
+    saved = (shape.n_blocks - recomputed) * block + recomputed * b * _eval(fit["input"], n, text) * inner
+    work = max(0.0, b * _eval(fit["work_ckpt" if recomputed else "work"], n, text) * width)  # fits can dip below 0
+    host = 0.0
+    if t.offload_activations and cuda:  # saved block tensors live in host memory; one block's come back at a time
+        host, saved = saved, block
+    c["activations (blocks)"] = saved
+    c["activations (outside blocks)"] = b * _eval(fit["outside"], n, text) * width
+    c["backward working set"] = work
+    elem = 2 if _precision(recipe, device_type) == "bf16" else 4
+    if cp > 1:  # Ulysses: q, k, v, out sent and received per attention call, one call at a time
+        c["CP all-to-all buffers"] = 2 * 4 * b * n * inner * elem
+    step = c["parameters"] + c["gradients"] + c["optimizer state (AdamW)"]
+    # AdamW's foreach path (CUDA) keeps one fp32 temporary per parameter of the whole list; the CPU path goes per tensor
+    opt_temp = sharded(True, 4) if cuda else max((_padded_shard_numel(s, fsdp) * 4 for s, _ in shape.select(True)),
+                                                 default=0)  # fmt: skip
+    # Forward/backward peaks early in backward, when the sharded gradients hardly exist yet (zero_grad sets them to
+    # None each step): they count in the optimizer step's peak, with AdamW's state and temporaries.
+    fwd_bwd = sum(c.values()) - c["gradients"]
+    peak = max(fwd_bwd, step + opt_temp)
+    first = max(fwd_bwd - c["optimizer state (AdamW)"], step + opt_temp)
+    # Ulysses per block and pass (forward, backward, recompute): q, k, v in and out back, (cp - 1)/cp of each leaves
+    passes = 2 + recomputed / max(shape.n_blocks, 1)
+    a2a = 4 * b * n * inner * elem * (cp - 1) / cp * shape.n_blocks * passes * t.grad_accum
+    layout = (f"{world_size} ranks: dp_replicate {rep} × dp_shard {shard} × cp {cp}; {recipe.finetune.method}; "
+              f"checkpointing {'every ' + str(t.checkpoint_every) if t.gradient_checkpointing else 'off'}"
+              + ("; offload" if t.offload_activations else ""))  # fmt: skip
+    return Estimate(c, peak, first, host, a2a, tokens, text, layout)
+
+
+# ------------------------------------------------------------------------------------------------ verdict and advice
+
+
+def parse_gib(text: str) -> float:
+    """'80GiB', '80GB' (10^9 bytes), '80' (GiB) -> GiB."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*(gib|gb|g)?\s*", text.lower())
+    if not m:
+        raise ValueError(f"--gpu-memory {text!r}: expected e.g. 80GiB or 80GB")
+    value = float(m.group(1))
+    return value * 1e9 / GIB if m.group(2) == "gb" else value
+
+
+def _variants(recipe: Recipe, gpus: int) -> Iterable[tuple[int, dict[str, Any]]]:
+    """(cost, overrides) of the layouts to try, cheapest change first: checkpointing, more CP, checkpointing every
+    block, all the CP a node gives, offload."""
+    t, p = recipe.train, recipe.parallel
+    cps = [c for c in range(1, gpus + 1) if gpus % (c * p.dp_replicate) == 0]
+    for cp in cps:
+        for every in ((t.checkpoint_every,) if t.gradient_checkpointing else ()) + (2, 1):
+            for offload in (t.offload_activations, True):
+                changes = {}
+                if cp != p.cp:
+                    changes["parallel.cp"] = cp
+                if (every, True) != (t.checkpoint_every, t.gradient_checkpointing) or not t.gradient_checkpointing:
+                    changes["train.gradient_checkpointing"] = True
+                    changes["train.checkpoint_every"] = every
+                if offload != t.offload_activations:
+                    changes["train.offload_activations"] = offload
+                ckpt_changed = "train.gradient_checkpointing" in changes
+                cost = 4 * ("parallel.cp" in changes) * cps.index(cp) + 3 * offload + 2 * ckpt_changed + (every == 1)
+                yield cost, changes
+
+
+def suggest(recipe: Recipe, gpus: int, gib: float, device_type: str = "cuda") -> str:
+    """The smallest change (fewest, cheapest levers) whose prediction fits `gib`, as `--set` overrides."""
+    from train.config import recipe_from_dict, recipe_to_dict
+
+    shape = model_shape(recipe)
+    for _, changes in sorted(_variants(recipe, gpus), key=lambda v: v[0]):
+        data = recipe_to_dict(recipe)
+        for key, value in changes.items():
+            section, name = key.split(".")
+            data[section][name] = value
+        data["parallel"]["dp_shard"] = -1  # what is left of the world after cp
+        try:
+            candidate = recipe_from_dict(data)
+            e = estimate(candidate, gpus, device_type, shape)
+        except ValueError:
+            continue
+        if e.peak <= gib * GIB:
+            sets = " ".join(f"--set {k}={str(v).lower()}" for k, v in changes.items())
+            return f"fits with {sets} (predicted {e.peak / GIB:.1f} GiB)" if changes else "fits as is"
+    return "no layout of cp, checkpointing and offload fits: more GPUs (FSDP shards over all of them) or LoRA"
+
+
+def device_memory_gib(recipe: Recipe, device: torch.device) -> float | None:
+    """The memory the check compares with: parallel.device_memory_gib, else the GPU's own total, else none."""
+    if recipe.parallel.device_memory_gib is not None:
+        return recipe.parallel.device_memory_gib
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / GIB
+    return None
+
+
+def _size(n: float) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= 0.1 * GIB else f"{n / 2**20:.1f} MiB"
+
+
+def startup_check(recipe: Recipe, world_size: int, device: torch.device) -> str:
+    """One line for the trainer's startup print; raises ValueError (one line, cause and fix) when
+    `parallel.memory_check` is refuse and the prediction exceeds the device by more than REFUSE_MARGIN; warn returns
+    the same line prefixed with "warning:". Inside the margin the estimate cannot tell, so it lets the run try."""
+    if recipe.parallel.memory_check == "off":
+        return "memory check off"
+    e = estimate(recipe, world_size, device.type)
+    limit = device_memory_gib(recipe, device)
+    line = f"predicted peak per rank {_size(e.peak)}" + (f" of {_size(limit * GIB)}" if limit else "")
+    if limit is None or e.peak <= limit * GIB * (1 + REFUSE_MARGIN):
+        return line
+    fix = suggest(recipe, world_size, limit, device.type)
+    cause = f"{line}: over by more than the estimate's {REFUSE_MARGIN:.0%} error; {fix}"
+    if recipe.parallel.memory_check == "refuse":
+        raise ValueError(f"{cause} (or set parallel.memory_check: warn)")
+    return f"warning: {cause}"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m train.estimate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--calibrate" in argv:
+        from train.models import family_names
+
+        names = [a for a in argv if a != "--calibrate"] or list(family_names())
+        for name in names:
+            calibrate(name)
+        return
+    add_recipe_args(parser)
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="world size (default: cp × dp_replicate × dp_shard; dp_shard -1 counts 1)")  # fmt: skip
+    parser.add_argument("--gpu-memory", default="80GiB", help="memory per GPU, e.g. 80GiB, 141GB (default 80GiB)")
+    parser.add_argument("--calibrate", action="store_true", help="re-measure the families' activation calibration")
+    args = parser.parse_args(argv)
+    recipe = recipe_from_args(args)
+    p = recipe.parallel
+    gpus = args.gpus or p.dp_replicate * max(p.dp_shard, 1) * p.cp
+    gib = parse_gib(args.gpu_memory)
+    e = estimate(recipe, gpus, "cuda")
+    print(e.table(gib))
+    fits = e.peak <= gib * GIB
+    print(f"verdict: {'fits' if fits else 'does NOT fit'} ({e.peak / GIB:.1f} of {gib:.1f} GiB per GPU)")
+    if not fits or e.peak > 0.9 * gib * GIB:
+        print(f"suggestion: {suggest(recipe, gpus, 0.9 * gib if fits else gib)}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
