@@ -183,6 +183,9 @@ class ParallelConfig(Section):
     first step) or warn when it clearly exceeds it; off = skip."""
     device_memory_gib: Annotated[float, Field(gt=0)] | None = None
     """Device memory per rank the memory check compares with; null = the GPU's own total (no check on CPU)."""
+    timeout_s: Positive = 600
+    """Seconds a collective may wait for the other ranks before the job fails with an error naming it (process-group
+    timeout and the hang watchdog); long enough for a checkpoint save or a first compile."""
     cp_transport: Literal["torch", "symm_mem"] = "torch"
     """CP all-to-all transport: torch (all_to_all_single) or symm_mem (intra-node CUDA, self-tested, else torch)."""
 
@@ -258,6 +261,8 @@ class TrainConfig(Section):
     """mode: scale of the SD3 mode sampling (0 = uniform)."""
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
     """Per-timestep weight of the flow-matching loss (SD3 weighting schemes)."""
+    max_bad_steps: Positive = 3
+    """Steps in a row with a non-finite loss or gradient norm (each skipped: no update) before the run stops."""
     caption_dropout: float = Field(0.0, ge=0, le=1)
     """Probability of replacing a sample's caption with the empty caption (for classifier-free guidance)."""
 

@@ -164,6 +164,15 @@ def build_optimizer(params: list[torch.nn.Parameter], t: TrainConfig):
     return optimizer, scheduler
 
 
+def checkpoint_state(recipe: Recipe, step: int, scheduler, batches: Batches, mesh: Mesh) -> dict:
+    """What a checkpoint holds besides the DCP shards: plain data (JSON), read back without running any code: the
+    step, scheduler and data position, and the recipe and layout it was trained with (checked at resume)."""
+    dims = mesh.dims
+    return {"step": step, "scheduler": scheduler.state_dict(), "data": batches.state_dict(),
+            "recipe": recipe_to_dict(recipe), "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
+            "cp": dims.cp, "world_size": dims.world_size}}  # fmt: skip
+
+
 def resume(out_dir: Path, app: AppState, scheduler, batches: Batches, metrics: MetricsLogger, wanted: bool) -> int:
     """The step to start from: the latest complete checkpoint's when resuming (state restored), else 0."""
     ckpt = latest_checkpoint(out_dir) if wanted else None
@@ -276,8 +285,8 @@ def main(argv: list[str] | None = None) -> None:
             metrics.log(line)
         every = recipe.checkpoint.every_n_steps
         if every and (step + 1) % every == 0:
-            trainer_state = {"step": step + 1, "scheduler": scheduler.state_dict(), "data": batches.state_dict()}
-            save_checkpoint(out_dir, step + 1, app, trainer_state, recipe.checkpoint.keep_last)
+            state = checkpoint_state(recipe, step + 1, scheduler, batches, mesh)
+            save_checkpoint(out_dir, step + 1, app, state, recipe.checkpoint.keep_last)
 
     # --- export ---------------------------------------------------------------------------------------------------
     export(recipe, spec, model, out_dir)
