@@ -11,7 +11,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} WANDB_SILENT=true
 run() { echo "+ $*"; "$@"; }
 run .venv/bin/python -m train.demo --recipe "$RECIPE"
 run .venv/bin/python -m train.prepare --recipe "$RECIPE"
-run .venv/bin/accelerate launch --config_file configs/accelerate/cpu.yaml --num_processes "$NPROC" \
+run .venv/bin/python -m train.launch --config_file configs/accelerate/cpu.yaml --num_processes "$NPROC" \
     train/finetune.py --recipe "$RECIPE" --set parallel.cp="$NPROC" "$@"
 OUT=$(.venv/bin/python -c "from train.config import load_recipe; print(load_recipe('$RECIPE').output_dir)")
 OUT="$OUT" .venv/bin/python - <<'PY'

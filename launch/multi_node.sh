@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${NNODES:?}" "${NODE_RANK:?}" "${MASTER_ADDR:?}" "${RECIPE:?}"
 GPUS=${GPUS_PER_NODE:-$(nvidia-smi -L | wc -l)}
-CMD=(.venv/bin/accelerate launch --config_file configs/accelerate/multi_node.yaml --num_machines "$NNODES"
+CMD=(.venv/bin/python -m train.launch --config_file configs/accelerate/multi_node.yaml --num_machines "$NNODES"
      --num_processes $((NNODES * GPUS)) --machine_rank "$NODE_RANK" --main_process_ip "$MASTER_ADDR"
      --main_process_port "${MASTER_PORT:-29500}" train/finetune.py --recipe "$RECIPE" "$@")
 echo "+ ${CMD[*]}"

@@ -11,6 +11,6 @@ if [ -z "${ACCEL_CONFIG:-}" ]; then
     ACCEL_CONFIG=configs/accelerate/cpu.yaml; NPROC=${NPROC:-2}
   fi
 fi
-CMD=(.venv/bin/accelerate launch --config_file "$ACCEL_CONFIG" --num_processes "$NPROC" train/finetune.py --recipe "$RECIPE" "$@")
+CMD=(.venv/bin/python -m train.launch --config_file "$ACCEL_CONFIG" --num_processes "$NPROC" train/finetune.py --recipe "$RECIPE" "$@")
 echo "+ ${CMD[*]}"
 exec "${CMD[@]}"

@@ -23,11 +23,12 @@ REL_TOL = 1e-5
 _RUNS: dict[tuple, tuple[list[dict], Path]] = {}
 
 
-def launch(out_dir: Path, nproc: int, recipe: str = "recipes/tiny/wan.yaml", *overrides: str, resume: bool = False):
+def launch(out_dir: Path, nproc: int, recipe: str = "recipes/tiny/wan.yaml", *overrides: str, resume: bool = False,
+           extra: list[str] | tuple[str, ...] = ()):  # fmt: skip
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu.yaml",
            "--num_processes", str(nproc), "train/finetune.py", "--recipe", recipe,
            "--set", f"output_dir={out_dir}", "--set", "logging.progress_bar=false", *[a for o in overrides
-           for a in ("--set", o)]] + (["--resume"] if resume else [])  # fmt: skip
+           for a in ("--set", o)]] + (["--resume"] if resume else []) + list(extra)  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:

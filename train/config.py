@@ -12,14 +12,17 @@ Schema (`recipes/schema.json`, which editors use to check recipes) all come from
 Loading is strict (the engine, shared with the CP plan files, is train/schema.py): `int` takes ints only, not `true`;
 `float` takes ints and floats; `Literal`s must be one of their values; `model.family` must be a family found under
 train/models/. Unknown keys are errors naming the closest valid key. All problems are collected and raised together
-as one `RecipeError` (a `ValueError`), one line each: `<file>: <dotted.path>: <problem>`.
+as one `RecipeError` (a `UserError`, train/errors.py), one line each: `<file>: <dotted.path>: <problem>`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import pkgutil
 import re
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -27,6 +30,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 
+from train.errors import UserError
 from train.schema import (
     SchemaError,
     Section,
@@ -78,9 +82,10 @@ class RecipeError(SchemaError):
 
 
 def _family_names() -> tuple[str, ...]:
-    from train.models import family_names  # discovered, never listed here; imported late (the package imports torch)
-
-    return family_names()
+    """The family packages under train/models/, by the rule `train.models.family_names` states, found without
+    importing that package (it imports torch, diffusers and every family: seconds before a recipe error could show)."""
+    found = pkgutil.iter_modules([str(Path(__file__).resolve().parent / "models")])
+    return tuple(sorted(m.name for m in found if m.ispkg and not m.name.startswith("_")))
 
 
 def _known_family(name: str) -> str:
@@ -192,24 +197,24 @@ class ParallelConfig(Section):
     def resolve(self, world_size: int) -> tuple[int, int, int]:
         """(dp_replicate, dp_shard, cp) for `world_size` ranks, with dp_shard = -1 filled in.
 
-        Raises ValueError, with the numbers, when the degrees do not multiply to the world size.
+        Raises UserError, with the numbers, when the degrees do not multiply to the world size.
         """
         rep, shard, cp = self.dp_replicate, self.dp_shard, self.cp
         if world_size < 1:
-            raise ValueError(f"parallel: world size must be >= 1, got {world_size}")
+            raise UserError(f"parallel: world size must be >= 1, got {world_size}")
         if rep < 1 or cp < 1 or (shard < 1 and shard != -1):
-            raise ValueError(
+            raise UserError(
                 f"parallel: dp_replicate ({rep}) and cp ({cp}) must be >= 1 and dp_shard ({shard}) >= 1 or -1"
             )
         if shard == -1:
             if world_size % (rep * cp):
-                raise ValueError(
+                raise UserError(
                     f"parallel: world size {world_size} is not divisible by dp_replicate ({rep}) x cp ({cp}) = "
                     f"{rep * cp}; choose dp_replicate and cp whose product divides {world_size}"
                 )
             shard = world_size // (rep * cp)
         if rep * shard * cp != world_size:
-            raise ValueError(
+            raise UserError(
                 f"parallel: dp_replicate ({rep}) x dp_shard ({shard}) x cp ({cp}) = {rep * shard * cp}, but the world "
                 f"size is {world_size}; change them to multiply to {world_size}, or set dp_shard: -1 to use the rest"
             )
@@ -525,6 +530,79 @@ def load_recipe(path: str | Path, overrides: Iterable[str] = ()) -> Recipe:
     if recipe.name is None:
         recipe.name = Path(path).stem
     return recipe
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name: what pretrained_path may be instead of a folder
+
+
+def check_pretrained_path(m: ModelConfig) -> None:
+    """model.pretrained_path names a local folder or an org/name hub id (fetched later, or failing there)."""
+    if m.pretrained_path is None:
+        return
+    local = Path(m.pretrained_path).expanduser()
+    if not local.is_dir() and not _HUB_ID.match(m.pretrained_path):
+        what = "is a file, not a folder" if local.exists() else "does not exist"
+        raise UserError(f"model.pretrained_path: {local.resolve()} {what} (and it is no org/name hub id); point it "
+                        f"at a diffusers pipeline folder (with {m.subfolder}/config.json) or a hub id")  # fmt: skip
+
+
+def check_prepare_inputs(recipe: Recipe) -> None:
+    """train.prepare's checks of the paths it reads, before loading any encoder: the pipeline and data.source (a
+    local path that does not exist; a datasets name like org/name is looked up later)."""
+    check_pretrained_path(recipe.model)
+    source = recipe.data.source
+    if source is not None and not _HUB_ID.match(source) and not Path(source).expanduser().exists():
+        raise UserError(f"data.source: {Path(source).expanduser().resolve()} does not exist; point it at a folder of "
+                        "media with metadata.jsonl/csv, such a file, or a datasets name (org/name)")  # fmt: skip
+
+
+def check_inputs(recipe: Recipe, world_size: int) -> None:
+    """The trainer's checks of what a recipe names outside itself, in milliseconds, before anything heavy is imported
+    or built (train/finetune.py runs them first): the degrees against the world size, the paths it reads and writes.
+    Raises UserError, one line with cause and fix (the same on every rank)."""
+    recipe.parallel.resolve(world_size)
+    m, data = recipe.model, recipe.data
+    if m.init_config is None:
+        check_pretrained_path(m)
+    if m.cp_plan is not None and recipe.parallel.cp > 1 and not Path(m.cp_plan).is_file():
+        raise UserError(f"model.cp_plan: no file {Path(m.cp_plan).resolve()}; point it at a plan YAML (cp_plans/ holds "
+                        "the shipped ones), or set model.cp_plan=null for the plan shipped for the model")  # fmt: skip
+    if data.synthetic is not None and data.cache_dir is not None:
+        raise UserError(f"data.synthetic and data.cache_dir ({data.cache_dir}) are both set, and synthetic data would "
+                        "silently replace the cache: set data.synthetic=null to train on the cache, or drop "
+                        "data.cache_dir")  # fmt: skip
+    if data.synthetic is None and data.cache_dir is None:
+        raise UserError("data: no training data: set data.cache_dir (written by `python -m train.prepare`) or "
+                        "data.synthetic")  # fmt: skip
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")  # `accelerate launch --mixed_precision` or config
+    if launched != "no":
+        raise UserError(f"accelerate launch --mixed_precision {launched} (or that key of its config file) would be "
+                        "silently ignored: the recipe sets the precision; launch with mixed_precision 'no' (as "
+                        "configs/accelerate/ do) and set train.mixed_precision (auto, no, bf16)")  # fmt: skip
+    out = Path(recipe.output_dir).expanduser().resolve()
+    parent = next(p for p in (out, *out.parents) if p.exists())
+    if not parent.is_dir():
+        raise UserError(f"output_dir: {parent} is a file, not a folder; choose another output_dir")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"output_dir: cannot write in {parent} (permission denied); choose a writable output_dir")
+
+
+def preflight(argv: list[str]) -> None:
+    """`--recipe`/`--set` of a trainer command line loaded and `check_inputs`-checked before the trainer imports torch
+    and diffusers (seconds): a user error is printed as one line (train/errors.py) and the process exits 2 at once;
+    `--debug` leaves it to the trainer, which raises it with its traceback. Other arguments are the trainer's."""
+    from train.errors import report
+
+    if {"--debug", "-h", "--help"} & set(argv) or not any(a.split("=")[0] == "--recipe" for a in argv):
+        return  # the trainer's own parser: help, or its usage error
+    parser = argparse.ArgumentParser(add_help=False)
+    add_recipe_args(parser)
+    args, _ = parser.parse_known_args(argv)
+    try:
+        check_inputs(recipe_from_args(args), int(os.environ.get("WORLD_SIZE", "1")))
+    except UserError as e:
+        sys.stdout.flush()
+        os._exit(report(e))  # nothing to tear down yet: no process group, no threads
 
 
 def recipe_to_dict(r: Any) -> Any:

@@ -2,13 +2,61 @@
 
 Raised before any collective, it is printed as one line with cause and fix, exit code 2, no traceback (`--debug`
 shows it). `same_on_every_rank=True` (the default) when every rank sees the same input and raises the same error:
-then rank 0 alone prints it; False when only this rank saw it (its own data shard, its own file): that rank prints it.
+then one rank alone prints it; False when only this rank saw it (its own data shard, its own file): that rank prints
+it, naming itself.
+
+Under a launcher (`accelerate launch`, `torchrun`), a failed rank makes the launcher print its own ChildFailedError
+traceback and failure summary after our line, and the launcher exits 1 whatever the rank's code. `report` also
+writes the message to the error file torchrun gives each rank (`TORCHELASTIC_ERROR_FILE`), so that summary's last
+lines, under "Root Cause", read `traceback : error: <cause and fix>` instead of a link to torch's docs.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+EXIT_CODE = 2  # a user error (argparse's code for bad arguments too)
 
 
 class UserError(ValueError):
     def __init__(self, message: str, *, same_on_every_rank: bool = True) -> None:
         super().__init__(message)
         self.same_on_every_rank = same_on_every_rank
+
+
+def report(error: UserError, rank: int | None = None) -> int:
+    """Print `error: <message>` once and hand it to the launcher; returns the exit code (2). `rank` defaults to the
+    launcher's RANK (0 without one).
+
+    Once: a rank-local error is printed by its rank. An error every rank raises is printed by the first rank of
+    this machine to get here, not by rank 0: the launcher kills the other ranks as soon as one exits, so rank 0 may
+    never get to print. Which rank is first is settled by creating a marker file in the launcher's run folder (the
+    folder holding each local rank's error file); without a launcher, rank 0 prints.
+    """
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error.same_on_every_rank:
+        first = True
+    elif error_file:
+        try:
+            os.close(os.open(Path(error_file).parents[1] / "user_error_reported", os.O_CREAT | os.O_EXCL))
+            first = True
+        except FileExistsError:
+            first = False
+        except OSError:
+            first = rank == 0
+    else:
+        first = rank == 0
+    if first:
+        where = "" if error.same_on_every_rank or int(os.environ.get("WORLD_SIZE", "1")) == 1 else f"rank {rank}: "
+        print(f"error: {where}{error}", file=sys.stderr, flush=True)
+    if error_file:  # torchrun's failure summary shows the earliest failure's file: every raising rank writes the line
+        # One second early: ranks the launcher then terminates are stamped with the second it notices them, and the
+        # summary breaks ties by rank order; the cause must win over "Signal 15 received".
+        with open(error_file, "w") as f:
+            json.dump({"message": f"error: {error}", "timestamp": int(time.time()) - 1}, f)
+    return EXIT_CODE

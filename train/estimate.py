@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from train.config import Recipe, add_recipe_args, recipe_from_args
+from train.errors import UserError
 
 GIB = 2**30
 MODELS_DIR = Path(__file__).resolve().parent / "models"
@@ -646,7 +647,7 @@ def startup_check(recipe: Recipe, world_size: int, device: torch.device) -> str:
     fix = suggest(recipe, world_size, limit, device.type)
     cause = f"{line}: over by more than the estimate's {REFUSE_MARGIN:.0%} error; {fix}"
     if recipe.parallel.memory_check == "refuse":
-        raise ValueError(f"{cause} (or set parallel.memory_check: warn)")
+        raise UserError(f"{cause} (or set parallel.memory_check: warn)")
     return f"warning: {cause}"
 
 

@@ -15,35 +15,49 @@ import argparse
 import json
 import math
 import os
-import socket
+import signal
 import sys
 import time
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 if __package__ in (None, ""):  # `accelerate launch train/finetune.py` runs this file as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __name__ == "__main__":  # recipe, degree and path errors within a second, before the seconds of imports below
+    from train.config import preflight
+
+    preflight(sys.argv[1:])
 
 import torch
 import torch.distributed as dist
 
-from train.checkpoint import AppState, latest_checkpoint, load_checkpoint, save_checkpoint
+from train import runtime
+from train.checkpoint import (
+    AppState,
+    complete_checkpoints,
+    latest_checkpoint,
+    read_trainer_state,
+    restore,
+    save_checkpoint,
+)
 from train.config import (
     Recipe,
-    RecipeError,
     TrainConfig,
     add_recipe_args,
+    check_inputs,
     recipe_from_args,
     recipe_to_dict,
     save_recipe,
 )
 from train.data.batches import Batches, build_dataset, check_text_lengths, make_batches
+from train.errors import UserError, report
 from train.estimate import startup_check
 from train.export import export_full, export_lora
 from train.metrics import MetricsLogger, peak_memory_bytes
-from train.modeling import build_model, describe_start, family_spec
+from train.modeling import build_model, check_model, describe_start, family_spec
 from train.models.spec import FamilySpec
 from train.objective import (
     add_noise,
@@ -54,21 +68,28 @@ from train.objective import (
     stream_losses,
 )
 from train.parallel import Mesh, ParallelDims, Parallelized
+from train.resume import plan_resume
 
 
 def init_processes(recipe: Recipe):
-    """Accelerate sets up processes and devices. Without a GPU, `Accelerator(cpu=True)` gives MULTI_CPU + gloo."""
+    """Accelerate sets up processes and devices. Without a GPU, `Accelerator(cpu=True)` gives MULTI_CPU + gloo.
+
+    The process group is created here first, with `parallel.timeout_s` (+ the watchdog's grace), and accelerate
+    adopts it: its `InitProcessGroupKwargs(timeout=...)` drops a timeout equal to its own default (600 s), which then
+    falls back to torch's (30 min for gloo). Launchers without env:// rendezvous (mpirun) still get the timeout
+    through that handler; a single process gets a 1-rank group."""
     from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
 
     use_gpu = torch.cuda.is_available()
+    backend = "nccl" if use_gpu else "gloo"
+    if runtime.launcher_env():
+        runtime.init_process_group(backend, recipe.parallel.timeout_s)
     wandb = recipe.logging.wandb_mode != "disabled"
-    accelerator = Accelerator(cpu=not use_gpu, log_with="wandb" if wandb else None)
+    timeout = InitProcessGroupKwargs(timeout=runtime.process_group_timeout(recipe.parallel.timeout_s))
+    accelerator = Accelerator(cpu=not use_gpu, log_with="wandb" if wandb else None, kwargs_handlers=[timeout])
     if not dist.is_initialized():  # a single process: still one code path, on a 1-rank group
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("nccl" if use_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=1)  # fmt: skip
+        runtime.init_process_group(backend, recipe.parallel.timeout_s)
     return accelerator
 
 
@@ -86,6 +107,24 @@ def step_generator(seed: int, step: int, micro: int, dp_rank: int) -> torch.Gene
     return torch.Generator().manual_seed(hash((seed, step, micro, dp_rank)) & 0x7FFF_FFFF_FFFF_FFFF)
 
 
+class BadStep(NamedTuple):
+    """A step skipped for a non-finite loss or gradient norm, as one rank saw it."""
+
+    step: int
+    loss: float  # the mean over data-parallel groups, as logged
+    grad_norm: float
+    samples: list[str]  # this rank's sample ids (Batches.sample_ids)
+    own_loss_bad: bool  # this rank's own loss, before the mean, was non-finite
+
+
+@dataclass
+class BadSteps:
+    """Skipped steps: how many in this process so far, and the current run of consecutive ones."""
+
+    total: int = 0
+    streak: list[BadStep] = field(default_factory=list)
+
+
 @dataclass
 class Trainer:
     """What one optimizer step touches."""
@@ -101,6 +140,29 @@ class Trainer:
     mesh: Mesh
     device: torch.device
     amp: torch.dtype | None
+    bad: BadSteps = field(default_factory=BadSteps)
+
+
+class StopRequest:
+    """SIGINT/SIGTERM (Ctrl-C, `kill`, SLURM preemption; torchrun forwards what its launcher gets to every rank) ask
+    the loop to stop after the current step. The handler only records the signal; `agreed()` takes the MAX over all
+    ranks once per step, so every rank stops after the same step even when the signal reached them at different times
+    or reached only one of them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.signum, self.agreed_signal = device, 0, None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._record)
+
+    def _record(self, signum: int, frame) -> None:
+        self.signum = signum
+
+    def agreed(self) -> str | None:
+        """The signal's name once any rank has received one (the same on every rank), else None. A collective."""
+        flag = torch.tensor(self.signum, device=self.device)  # int64: gloo's float MAX skips NaN, ints are exact
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.agreed_signal = signal.Signals(int(flag)).name if flag else None
+        return self.agreed_signal
 
 
 def compute_loss(tr: Trainer, batch: dict, gen: torch.Generator) -> torch.Tensor:
@@ -124,13 +186,16 @@ def compute_loss(tr: Trainer, batch: dict, gen: torch.Generator) -> torch.Tensor
 
 
 def train_step(tr: Trainer, step: int) -> dict[str, float]:
-    """One optimizer step over `grad_accum` micro-batches; returns its metrics line."""
+    """One optimizer step over `grad_accum` micro-batches; returns its metrics line. A step whose loss or gradient norm
+    is not finite (one bad micro-batch is enough) is skipped: no optimizer or scheduler step, its gradients dropped,
+    counted in `tr.bad` (the loop stops the run after `train.max_bad_steps` in a row)."""
     t, reduction = tr.train, tr.parallel.reduction
-    t0, loss_sum, tokens = time.perf_counter(), torch.zeros((), device=tr.device), 0
+    t0, loss_sum, tokens, samples = time.perf_counter(), torch.zeros((), device=tr.device), 0, []
     for micro in range(t.grad_accum):
         if reduction.mode == "fsdp2":  # reduce-scatter once per optimizer step, on the last micro-batch
             tr.model.set_requires_gradient_sync(micro == t.grad_accum - 1)
-        batch = next(tr.batches)
+        batch, ids = tr.batches.take()
+        samples += ids
         gen = step_generator(t.seed, step, micro, tr.mesh.dp_rank)
         batch = tr.batches.caption_dropout(batch, t.caption_dropout, gen)
         loss = compute_loss(tr, batch, gen) / t.grad_accum
@@ -142,18 +207,48 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
         reduction.reduce_gradients(tr.params)  # SUM over CP, MEAN over DP
     grad_norm = torch.nn.utils.clip_grad_norm_(tr.params, t.max_grad_norm or math.inf)  # the true global norm
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    tr.optimizer.step()
-    tr.scheduler.step()
-    tr.optimizer.zero_grad(set_to_none=True)
+    own_loss_bad = not loss_sum.isfinite()  # before the mean: tells which data-parallel group's samples went bad
     dims = tr.mesh.dims
-    if dims.dp > 1:  # loss logged as the mean over data-parallel groups (CP peers already agree)
-        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=tr.mesh.dp.get_group())
+    # Logged as the mean over data-parallel groups (CP peers hold the same loss), taken over all ranks so that each
+    # decides on the same value (NaN anywhere → NaN everywhere).
+    if dims.world_size > 1:
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+    finite = bool(loss_sum.isfinite() and grad_norm.isfinite())  # the norm is global already: equal on every rank
+    if finite:
+        tr.optimizer.step()
+        tr.scheduler.step()
+        tr.bad.streak.clear()
+    else:
+        tr.bad.total += 1
+        tr.bad.streak.append(BadStep(step + 1, loss_sum.item(), grad_norm.item(), samples, own_loss_bad))
+    tr.optimizer.zero_grad(set_to_none=True)
     dt = time.perf_counter() - t0
     # Throughput of the whole job in transformer tokens (noised streams after patching; text not counted): each DP
     # group processes its own micro-batches, the CP ranks of a group share them.
     return {"step": step + 1, "loss": loss_sum.item(), "grad_norm": grad_norm.item(),
             "lr": tr.scheduler.get_last_lr()[0], "transformer_tokens_per_s": tokens * dims.dp / dt,
-            "step_time_s": dt, "peak_mem_bytes": peak_memory_bytes(tr.device)}  # fmt: skip
+            "step_time_s": dt, "peak_mem_bytes": peak_memory_bytes(tr.device), "skipped": not finite,
+            "bad_steps": tr.bad.total}  # fmt: skip
+
+
+def bad_steps_error(streak: list[BadStep]) -> UserError:
+    """The error that stops a run after `train.max_bad_steps` non-finite steps in a row. It names each step's samples:
+    those of the data-parallel groups whose own loss was non-finite, else (a diverging run: the loss finite and the
+    gradient norm not, or every group's loss bad) all of them. A collective: every rank took the same decisions."""
+    streaks = [None] * dist.get_world_size()
+    dist.all_gather_object(streaks, streak)
+    steps = []
+    for i, bad in enumerate(streak):
+        seen = [s[i] for s in streaks]
+        culprits = [b for b in seen if b.own_loss_bad] or seen
+        ids = dict.fromkeys(x for b in culprits for x in b.samples)  # CP peers share their samples: each once
+        steps.append(f"step {bad.step} (loss {bad.loss:.3g}, grad norm {bad.grad_norm:.3g}): {', '.join(ids)}")
+    n = len(streak)
+    return UserError(
+        f"stopped at step {streak[-1].step}: {n} step{'s' * (n > 1)} in a row had a non-finite loss or gradient norm "
+        f"(train.max_bad_steps), none applied; samples: {'; '.join(steps)}. Check those samples for NaN/Inf or huge "
+        "values, or lower train.lr / set train.max_grad_norm"
+    )
 
 
 def build_optimizer(params: list[torch.nn.Parameter], t: TrainConfig):
@@ -173,19 +268,50 @@ def checkpoint_state(recipe: Recipe, step: int, scheduler, batches: Batches, mes
             "cp": dims.cp, "world_size": dims.world_size}}  # fmt: skip
 
 
-def resume(out_dir: Path, app: AppState, scheduler, batches: Batches, metrics: MetricsLogger, wanted: bool) -> int:
-    """The step to start from: the latest complete checkpoint's when resuming (state restored), else 0."""
-    ckpt = latest_checkpoint(out_dir) if wanted else None
-    if ckpt is None:
+def resume(recipe: Recipe, args: argparse.Namespace, app: AppState, scheduler, batches: Batches,
+           metrics: MetricsLogger, mesh: Mesh):  # fmt: skip
+    """(the step to start from, the scheduler): the latest complete checkpoint's when resuming, its recipe compared
+    with this one field by field (train/resume.py: what cannot apply exactly is refused, the rest applied), else 0."""
+    out_dir, t = Path(recipe.output_dir), recipe.train
+    found = complete_checkpoints(out_dir) if args.resume or recipe.checkpoint.resume else []
+    if not found:
         metrics.truncate_after(0)  # a fresh run in a used output_dir starts a fresh metrics.jsonl
-        return 0
-    state = load_checkpoint(ckpt, app)
-    scheduler.load_state_dict(state["scheduler"])
+        return 0, scheduler
+    # The recipe check first, from the newest checkpoint's trainer.json (a run's checkpoints share its recipe), before
+    # any weights are read; then the newest checkpoint that verifies (sizes, checksums), older ones as fallback.
+    dims = mesh.dims
+    layout = {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp}
+    saved = None
+    for path in reversed(found):  # a damaged newest trainer.json: restore() below falls back and says why
+        try:
+            saved = read_trainer_state(path)
+            break
+        except UserError:
+            continue
+    if saved is None:
+        read_trainer_state(found[-1])  # none readable: its one-line error
+    plan = plan_resume(saved["recipe"], recipe_to_dict(recipe), reset_lr_schedule=args.reset_lr_schedule,
+                       saved_layout=saved["layout"], layout=layout, checkpoint=str(path))  # fmt: skip
+    ckpt, state = restore(out_dir, app)
+    start = state["step"]
+    for group in app.optimizer.param_groups:  # DCP restored the old hyper-parameters: the recipe's apply from here
+        group.update(betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay)
+    if plan.reset_schedule:  # the new schedule (warmup included) over the remaining steps, from the new lr
+        from diffusers.optimization import get_scheduler
+
+        for group in app.optimizer.param_groups:
+            group["lr"] = group["initial_lr"] = t.lr
+        scheduler = get_scheduler(t.lr_schedule, app.optimizer, num_warmup_steps=t.warmup_steps,
+                                  num_training_steps=max(t.max_steps - start, 1))  # fmt: skip
+    else:
+        scheduler.load_state_dict(state["scheduler"])
     batches.load_state_dict(state["data"])
-    metrics.truncate_after(state["step"])
+    metrics.truncate_after(start)
     if dist.get_rank() == 0:
-        print(f"resumed from {ckpt} at step {state['step']}")
-    return state["step"]
+        print(f"resumed from {ckpt} at step {start}")
+        for line in plan.applied + plan.notes:
+            print(f"resume: {line}")
+    return start, scheduler
 
 
 def print_layout(
@@ -231,9 +357,19 @@ def parse_args(argv: list[str] | None) -> tuple[Recipe, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_recipe_args(parser)
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks of configuration errors")
+    parser.add_argument(
+        "--reset-lr-schedule",
+        action="store_true",
+        help="on resume, restart the lr schedule (lr, lr_schedule, warmup_steps) at the resume step",
+    )
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a user error")
     args = parser.parse_args(argv)
-    return recipe_from_args(args), args
+    recipe = recipe_from_args(args)
+    # User errors, before any process group exists (each a UserError, the same on every rank): degrees and paths
+    # (also checked by `preflight` before the imports), the model's config keys and the CP degree against the tokens.
+    check_inputs(recipe, int(os.environ.get("WORLD_SIZE", "1")))
+    check_model(recipe, family_spec(recipe.model))
+    return recipe, args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -249,6 +385,14 @@ def main(argv: list[str] | None = None) -> None:
     amp = autocast_dtype(t.mixed_precision, device)
     out_dir = Path(recipe.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    runtime.lock_output_dir(out_dir)  # one run per output_dir: rank 0 holds out_dir/.lock until exit, else one line
+    watchdog = runtime.Watchdog.start(recipe.parallel.timeout_s)  # a phase stuck past timeout_s: one line, exit
+
+    # --- data: every rank of a CP group reads the same batches; DP groups read different ones. First: a cache that
+    # cannot be trained on (missing or truncated files, another family's) is said within seconds, before the model
+    dataset = build_dataset(recipe, spec)
+    check_text_lengths(dataset, spec, recipe)
+    batches = make_batches(dataset, recipe, dp_rank=mesh.dp_rank, dp_size=dims.dp, device=device)
 
     # --- will it fit? train.estimate's prediction for this layout; refused (one line) when clearly over the device --
     memory = startup_check(recipe, dist.get_world_size(), device)
@@ -260,15 +404,10 @@ def main(argv: list[str] | None = None) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = build_optimizer(params, t)
 
-    # --- data: every rank of a CP group reads the same batches; DP groups read different ones ----------------------
-    dataset = build_dataset(recipe, spec)
-    check_text_lengths(dataset, spec, recipe)
-    batches = make_batches(dataset, recipe, dp_rank=mesh.dp_rank, dp_size=dims.dp, device=device)
-
     # --- resume ---------------------------------------------------------------------------------------------------
     app = AppState(model, optimizer, trainable_only=recipe.finetune.method == "lora")
     metrics = MetricsLogger(accelerator, out_dir, recipe_to_dict(recipe), recipe.logging, recipe.name or "run")
-    start = resume(out_dir, app, scheduler, batches, metrics, wanted=args.resume or recipe.checkpoint.resume)
+    start, scheduler = resume(recipe, args, app, scheduler, batches, metrics, mesh)
     print_layout(recipe, mesh, parallel, amp, sum(p.numel() for p in params), out_dir)
     batches.check_contract(mesh)  # a cheap cross-rank hash of the next batch: CP peers equal, DP groups differ
 
@@ -279,39 +418,54 @@ def main(argv: list[str] | None = None) -> None:
         from tqdm.auto import tqdm
 
         steps = tqdm(steps, initial=start, total=t.max_steps, desc="train")
+    stop = StopRequest(device)  # from here on SIGINT/SIGTERM finish the step, write a checkpoint and exit 0
     for step in steps:
+        watchdog.phase("train_step", step + 1)
         line = train_step(trainer, step)
         if (step + 1) % recipe.logging.every_n_steps == 0 or step + 1 == t.max_steps:
             metrics.log(line)
+        if len(trainer.bad.streak) >= t.max_bad_steps:  # no checkpoint: nothing was applied since the last good step
+            raise bad_steps_error(trainer.bad.streak)
+        stopped_by = stop.agreed()
         every = recipe.checkpoint.every_n_steps
-        if every and (step + 1) % every == 0:
+        if stopped_by or (every and (step + 1) % every == 0):
+            watchdog.phase("checkpoint", step + 1)
             state = checkpoint_state(recipe, step + 1, scheduler, batches, mesh)
-            save_checkpoint(out_dir, step + 1, app, state, recipe.checkpoint.keep_last)
+            ckpt = save_checkpoint(out_dir, step + 1, app, state, recipe.checkpoint.keep_last)
+        if stopped_by:
+            if dist.get_rank() == 0:  # save_checkpoint writes nothing from non-finite weights: name the last good one
+                where = ckpt or latest_checkpoint(out_dir)
+                print(f"stopped by {stopped_by} after step {step + 1}; checkpoint: {where}; resume with --resume",
+                      flush=True)  # fmt: skip
+                # for python -m train.launch: a clean stop, so the launcher exits 0 rather than 128 + the signal
+                marker = {"step": step + 1, "signal": stopped_by, "checkpoint": str(where), "time": time.time()}
+                (out_dir / "stopped.json").write_text(json.dumps(marker))
+            break
 
     # --- export ---------------------------------------------------------------------------------------------------
-    export(recipe, spec, model, out_dir)
+    watchdog.phase("export", t.max_steps)
+    if not stop.agreed_signal:  # a stopped run resumes from its checkpoint and exports at its end
+        export(recipe, spec, model, out_dir)
     dist.barrier()
+    watchdog.idle()
     metrics.close()  # ends accelerate's trackers (which may tear the process group down): after the last collective
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def run_cli() -> int:
-    """main() with user errors reported as one line (printed once for recipe errors), exit code 2; `--debug` raises."""
+    """main() with a user error reported as one line (train/errors.py: once, exit code 2); `--debug` raises it."""
     try:
         main()
-    except ValueError as e:
+    except UserError as e:
         if "--debug" in sys.argv:
             raise
-        rank = int(os.environ.get("RANK", "0"))
-        if rank == 0 or not isinstance(e, RecipeError):  # a recipe is the same on every rank: say it once
-            prefix = "error" if isinstance(e, RecipeError) else f"error (rank {rank})"
-            print(f"{prefix}: {e}", file=sys.stderr, flush=True)
-        return 2
+        return report(e)
     return 0
 
 
 if __name__ == "__main__":
+    runtime.die_with_launcher()  # SIGKILL of `accelerate launch` takes its ranks along: no orphans
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # diffusers transformers return reshaped views; FSDP2 warns on every forward. The trainer never modifies the
     # output in place (family specs map it out of place), which is the case that warning is about.
@@ -319,6 +473,4 @@ if __name__ == "__main__":
     code = run_cli()
     # Everything is written and the process group is destroyed. Skip the interpreter's teardown: gloo's background
     # threads were seen to abort a finished process there ("terminate called without an active exception").
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    runtime.exit(code)  # after the exit hooks (the output_dir lock's release) and a flush

@@ -17,17 +17,22 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import math
 from pathlib import Path
+from typing import Any
 
 import diffusers
 import torch
 import torch.distributed as dist
 
 from .config import FinetuneConfig, ModelConfig, Recipe
+from .cp.enable import check_tokens
+from .errors import UserError
 from .models import get_family, transformer_config
 from .models.spec import FamilySpec
 from .parallel import Mesh, Parallelized, check_replicated, parallelize
+from .schema import suggest
 
 
 def family_spec(cfg: ModelConfig) -> FamilySpec:
@@ -37,6 +42,60 @@ def family_spec(cfg: ModelConfig) -> FamilySpec:
         return spec
     shift = dataclasses.replace(spec.shift, kind="static", shift=cfg.flow_shift, mu_fn=None)
     return dataclasses.replace(spec, shift=shift)
+
+
+def check_model(recipe: Recipe, spec: FamilySpec) -> None:
+    """The model's user errors, one line each, before any process group exists (every rank finds the same):
+    `init_config` keys the transformer class does not take (diffusers only warns, then builds another model), a
+    pretrained folder without the transformer's config, a CP degree above a sample's token count, and bf16 on a GPU
+    without it."""
+    cfg = recipe.model
+    if recipe.train.mixed_precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        raise UserError(f"train.mixed_precision: bf16, but {torch.cuda.get_device_name()} has no bf16 support; set "
+                        "train.mixed_precision: no (fp32)")  # fmt: skip
+    cls = getattr(diffusers, spec.transformer_class)
+    if cfg.init_config is not None:
+        takes = [n for n, p in inspect.signature(cls.__init__).parameters.items()
+                 if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]  # fmt: skip
+        unknown = [k for k in cfg.init_config if k not in takes]
+        if unknown:
+            keys = ", ".join(f"{k!r}{suggest(k, takes)}" for k in unknown)
+            raise UserError(f"model.init_config: {cls.__name__} takes no {keys}: diffusers would ignore it and build "
+                            f"another model; valid keys: {', '.join(takes)}")  # fmt: skip
+    local = cfg.pretrained_path is not None and Path(cfg.pretrained_path).expanduser().is_dir()
+    if cfg.init_config is None and not local and not cfg.sharded_load:
+        return  # a hub id that from_pretrained fetches: its config is known only once downloaded
+    try:
+        config = transformer_config(cfg.family, init_config=cfg.init_config, pretrained_path=cfg.pretrained_path,
+                                    subfolder=cfg.subfolder)  # fmt: skip
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    shapes = _sample_shapes(recipe, spec)  # reads the cache's manifest: a missing cache is named here, early
+    if recipe.parallel.cp > 1:
+        check_tokens(recipe.parallel.cp, spec, shapes, config)
+
+
+def _sample_shapes(recipe: Recipe, spec: FamilySpec) -> dict[str, dict[str, Any]]:
+    """Per-sample shapes of the noised streams, per bucket: the synthetic shapes, or the cache manifest's."""
+    from .data.dataset import read_manifest
+
+    if recipe.data.synthetic is not None:
+        shapes = recipe.data.synthetic.shapes
+        return {"synthetic": {s: shapes[s] for s in spec.streams if s in shapes}}
+    tensors = read_manifest(recipe.data.cache_dir).get("tensors", {})
+    return {b: {s: t[s]["shape"] for s in spec.streams if s in t} for b, t in tensors.items()}
+
+
+def _hub_error(cfg: ModelConfig, error: Exception) -> UserError:
+    """A hub fetch of `model.pretrained_path` failed: say it was taken for a hub id, and why it failed."""
+    reason = (str(error).strip().splitlines() or [""])[0][:200]
+    return UserError(
+        f"model.pretrained_path {cfg.pretrained_path!r} is not a local folder (no "
+        f"{Path(cfg.pretrained_path).expanduser().resolve()}), so it was fetched as a hub id, which failed "
+        f"({type(error).__name__}: {reason}); check the network, HF_TOKEN and HF_HUB_OFFLINE, or download it and "
+        "set model.pretrained_path to its folder",
+        same_on_every_rank=False,
+    )
 
 
 def _random_init(cfg: ModelConfig, spec: FamilySpec, seed: int) -> torch.nn.Module:
@@ -51,8 +110,13 @@ def load_transformer(cfg: ModelConfig, spec: FamilySpec, seed: int) -> torch.nn.
         model = _random_init(cfg, spec, seed)
     else:
         cls = getattr(diffusers, spec.transformer_class)
-        model = cls.from_pretrained(cfg.pretrained_path, subfolder=cfg.subfolder, revision=cfg.revision,
-                                    torch_dtype=getattr(torch, cfg.dtype))  # fmt: skip
+        try:
+            model = cls.from_pretrained(cfg.pretrained_path, subfolder=cfg.subfolder, revision=cfg.revision,
+                                        torch_dtype=getattr(torch, cfg.dtype))  # fmt: skip
+        except Exception as e:  # a local folder's own errors stay as they are
+            if Path(cfg.pretrained_path).expanduser().is_dir():
+                raise
+            raise _hub_error(cfg, e) from e
     model.set_attention_backend(cfg.attention_backend)
     return model.train()
 
@@ -128,8 +192,11 @@ def pretrained_folder(cfg: ModelConfig) -> Path:
 
         def fetch(offline: bool) -> Path:
             pattern = f"{cfg.subfolder}/*" if cfg.subfolder else "*"
-            root = snapshot_download(cfg.pretrained_path, revision=cfg.revision, allow_patterns=[pattern],
-                                     local_files_only=offline)  # fmt: skip
+            try:
+                root = snapshot_download(cfg.pretrained_path, revision=cfg.revision, allow_patterns=[pattern],
+                                         local_files_only=offline)  # fmt: skip
+            except Exception as e:  # no network, offline mode, unknown repo, no access: all hub failures
+                raise _hub_error(cfg, e) from e
             return Path(root) / cfg.subfolder
 
         folder = fetch(offline=False) if dist.get_rank() == 0 else None

@@ -14,10 +14,11 @@ manifest. What it does per item (rank r of W takes items r, r + W, ...):
 Families with sound (MiniMax-H3) also decode the clip's audio track in the loader (`FamilyEncoder.load_extra`) and
 encode it with their audio VAE (`encode_extra`).
 
-Bad items (unreadable/corrupt, too short, too small, no caption, no audio track where the family needs one) are
-skipped, counted and listed in the manifest; the run fails if they are more than `data.max_bad_fraction` of the
-source. Resumable: items whose sample file exists are not encoded again (their metadata is re-read), and a resumed run
-must use the same settings (prepare_config.json).
+Bad items (unreadable/corrupt, too short, too small, no caption, no audio track where the family needs one, NaN/Inf
+from the encoders) are skipped, counted and listed in the manifest; the run fails if they are more than
+`data.max_bad_fraction` of the source. Resumable: items whose sample file exists and is whole are not encoded again
+(their metadata is re-read; a missing, truncated or damaged file is encoded again), and a resumed run must use the same
+settings (prepare_config.json). The manifest records each sample's size, which the trainer checks at startup.
 Latents are sampled from the VAE posterior with a generator seeded by (train.seed, item index) (`data.latent_sample:
 sample`, the pipelines' own default) or taken as its mean (`mode`), so a resumed or re-sharded run writes the same
 tensors as an uninterrupted one.
@@ -40,8 +41,8 @@ from typing import Any
 
 import torch
 
-from train.config import DataConfig, Recipe, add_recipe_args, recipe_from_args
-from train.data.dataset import CACHE_FORMAT, CACHE_VERSION, sample_path
+from train.config import DataConfig, Recipe, add_recipe_args, check_prepare_inputs, recipe_from_args
+from train.data.dataset import CACHE_FORMAT, CACHE_VERSION, safetensors_problem, sample_path
 from train.data.media import (
     IMAGE_EXTENSIONS,
     VIDEO_EXTENSIONS,
@@ -52,6 +53,7 @@ from train.data.media import (
     probe,
     to_model_input,
 )
+from train.errors import UserError, report
 from train.models import get_encoder
 
 __all__ = [
@@ -70,7 +72,7 @@ __all__ = [
 MEDIA_KEYS = ("file_name", "video", "image", "path", "file", "media")
 
 
-class PrepareError(ValueError):
+class PrepareError(UserError):
     """The source or the settings cannot give a usable cache (too many bad items, no items, changed settings)."""
 
 
@@ -171,11 +173,7 @@ def _caption(value: Any) -> str | None:
 def _folder_listing(root: Path, meta: Path | None, caption_column: str, media_column: str | None) -> _Listing:
     items: list[SourceItem] = []
     if meta is not None:
-        if meta.suffix == ".jsonl":
-            rows = [json.loads(line) for line in meta.read_text().splitlines() if line.strip()]
-        else:
-            with open(meta, newline="") as f:
-                rows = list(csv.DictReader(f))
+        rows = _jsonl_rows(meta) if meta.suffix == ".jsonl" else _csv_rows(meta)
         if not rows:
             raise PrepareError(f"{meta}: no rows")
         key = _pick_media_key(rows[0].keys(), media_column, str(meta))
@@ -189,9 +187,50 @@ def _folder_listing(root: Path, meta: Path | None, caption_column: str, media_co
             if p.with_suffix(".txt").is_file():
                 caption = p.with_suffix(".txt").read_text()
             elif p.with_suffix(".json").is_file():
-                caption = json.loads(p.with_suffix(".json").read_text()).get(caption_column)
+                caption = _json_object(p.with_suffix(".json"), p.with_suffix(".json").read_text()).get(caption_column)
             items.append(SourceItem(i, str(p), _caption(caption), str(p.relative_to(root))))
     return _Listing(len(items), items.__getitem__)
+
+
+def _json_object(path: Path, text: str, line: int | None = None) -> dict[str, Any]:
+    """`text` (line `line` of `path`, or all of it) as a JSON object, or a PrepareError naming the file and line."""
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as e:
+        where = f"{path}:{line or e.lineno}"
+        raise PrepareError(f"{where}: not valid JSON ({e.msg} at column {e.colno}): fix or delete that line") from None
+    if not isinstance(row, dict):
+        raise PrepareError(
+            f'{path}:{line or 1}: a JSON {type(row).__name__}, not an object like {{"file_name": ..., "text": ...}}'
+        )
+    return row
+
+
+def _jsonl_rows(meta: Path) -> list[dict[str, Any]]:
+    """The rows of a metadata.jsonl file (one JSON object a line; blank lines skipped)."""
+    return [_json_object(meta, line, n) for n, line in enumerate(meta.read_text().splitlines(), 1) if line.strip()]
+
+
+def _csv_rows(meta: Path) -> list[dict[str, Any]]:
+    """The rows of a metadata.csv file (a header line, then one row a line); a row whose field count differs from the
+    header's (an unquoted comma in a caption) is an error naming its line."""
+    rows = []
+    with open(meta, newline="") as f:
+        reader = csv.DictReader(f)
+        try:
+            for row in reader:
+                extra, missing = row.get(None, []), [k for k, v in row.items() if v is None]
+                if extra or missing:  # DictReader puts extra fields under None and fills missing ones with None
+                    header = len(reader.fieldnames)
+                    n = header + len(extra) - len(missing)
+                    raise PrepareError(
+                        f"{meta}:{reader.line_num}: {n} field{'s' * (n != 1)} where the header has {header}: quote "
+                        'fields that hold commas ("a, b") and give every row each column'
+                    )
+                rows.append(row)
+        except csv.Error as e:
+            raise PrepareError(f"{meta}:{reader.line_num}: malformed CSV ({e}): fix that row") from None
+    return rows
 
 
 def _datasets_listing(name: str, split: str, caption_column: str, media_column: str | None) -> _Listing:
@@ -367,9 +406,10 @@ def _open_cache(run: _Run) -> _Listing:
 
 
 def _load_item(run: _Run, buckets: list[Bucket], item: SourceItem) -> tuple[str, Any]:
-    """("reuse", None) when the sample exists, ("bad", BadMediaError), or ("ok", (bucket, clip, fps, extra))."""
+    """("reuse", None) when the sample exists and is whole, ("bad", BadMediaError), or ("ok", (bucket, clip, fps,
+    extra))."""
     data = run.data
-    if sample_path(run.cache, item.index).exists():
+    if safetensors_problem(sample_path(run.cache, item.index)) is None:  # missing or damaged: encoded (again)
         return "reuse", None
     if item.caption is None:
         return "bad", BadMediaError("no_caption", f"{item.name}: caption ({data.caption_column}) missing")
@@ -386,8 +426,13 @@ def _load_item(run: _Run, buckets: list[Bucket], item: SourceItem) -> tuple[str,
 def _encode_items(run: _Run, listing: _Listing, stop_after: int | None) -> tuple[list[dict[str, Any]], int]:
     """Encode this process's items (rank r of W takes r, r + W, ...); returns their records and how many are new."""
     family, procs = run.recipe.model.family, run.procs
-    if procs.rank == 0 and not (run.cache / "empty_prompt.safetensors").exists():
+    if procs.rank == 0 and safetensors_problem(run.cache / "empty_prompt.safetensors") is not None:
         empty = _cast(run.encoder.encode_text("", run.text_tokens), run.dtype)
+        if bad := _non_finite(empty):
+            raise PrepareError(
+                f"the text encoder of {run.recipe.model.pretrained_path} gives NaN/Inf for the empty caption ({bad}): "
+                "check its weights and data.text_encoder_dtype"
+            )
         _atomic_save(empty, run.cache / "empty_prompt.safetensors", {"family": family, "caption": ""})
     buckets = [Bucket.parse(b) for b in run.data.buckets]
     my_indices = range(procs.rank, len(listing), procs.world)
@@ -410,8 +455,11 @@ def _encode_items(run: _Run, listing: _Listing, stop_after: int | None) -> tuple
         else:
             if stop_after is not None and new >= stop_after:
                 break
-            records.append(_encode_item(run, item, *payload))
-            new += 1
+            try:
+                records.append(_encode_item(run, item, *payload))
+                new += 1
+            except BadMediaError as e:  # non_finite
+                records.append({"index": item.index, "source": item.name, "reason": e.reason, "detail": e.detail})
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -428,6 +476,9 @@ def _encode_item(run: _Run, item: SourceItem, bucket: Bucket, clip: torch.Tensor
     tensors = encoder.encode_media(to_model_input(clip), gen, sample, fps)
     tensors.update(encoder.encode_extra(extra, gen, sample, fps))
     tensors.update(encoder.encode_text(item.caption, run.text_tokens))
+    tensors = _cast(tensors, run.dtype)  # checked after the cast: a value past the cache dtype's range becomes Inf
+    if bad := _non_finite(tensors):  # such an item would make the loss NaN at every step that reads it
+        raise BadMediaError("non_finite", f"{item.name}: the encoders gave NaN/Inf ({bad})")
     meta = {
         "family": run.recipe.model.family,
         "caption": item.caption,
@@ -435,8 +486,15 @@ def _encode_item(run: _Run, item: SourceItem, bucket: Bucket, clip: torch.Tensor
         "bucket": str(bucket),
         "index": str(item.index),
     }
-    _atomic_save(_cast(tensors, run.dtype), sample_path(run.cache, item.index), meta)
-    return _ok_record(item, bucket, int(tensors["prompt_embeds"].shape[0]), reused=False)
+    path = sample_path(run.cache, item.index)
+    _atomic_save(tensors, path, meta)
+    return _ok_record(item, bucket, int(tensors["prompt_embeds"].shape[0]), path.stat().st_size, reused=False)
+
+
+def _non_finite(tensors: dict[str, torch.Tensor]) -> str:
+    """Which floating tensors hold NaN/Inf, as "key: n of numel, ..." ("" when all are finite)."""
+    bad = [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    return ", ".join(f"{k}: {int((~torch.isfinite(tensors[k])).sum())} of {tensors[k].numel()}" for k in bad)
 
 
 def _finish(run: _Run, part: dict[str, Any], total: int, log: Callable[[str], None]) -> dict[str, Any]:
@@ -463,16 +521,17 @@ def _finish(run: _Run, part: dict[str, Any], total: int, log: Callable[[str], No
     return manifest
 
 
-def _ok_record(item: SourceItem, bucket: Bucket | str, text_len: int, reused: bool) -> dict[str, Any]:
+def _ok_record(item: SourceItem, bucket: Bucket | str, text_len: int, size: int, reused: bool) -> dict[str, Any]:
     file = sample_path("", item.index).as_posix()
     return {"index": item.index, "file": file, "bucket": str(bucket), "caption": item.caption, "source": item.name,
-            "text_len": text_len, "reused": reused}  # fmt: skip
+            "text_len": text_len, "bytes": size, "reused": reused}  # fmt: skip
 
 
 def _reused_record(cache: Path, item: SourceItem) -> dict[str, Any]:
     from safetensors import safe_open
 
-    with safe_open(str(sample_path(cache, item.index)), "pt") as f:
+    path = sample_path(cache, item.index)
+    with safe_open(str(path), "pt") as f:
         meta = f.metadata() or {}
         text_len = f.get_slice("prompt_embeds").get_shape()[0]
     if meta.get("source") != item.name:
@@ -480,7 +539,8 @@ def _reused_record(cache: Path, item: SourceItem) -> dict[str, Any]:
             f"{sample_path(cache, item.index)} was written for {meta.get('source')!r} but item {item.index} is now "
             f"{item.name!r}: the source listing changed; prepare into a new data.cache_dir"
         )
-    return _ok_record(item, meta["bucket"], text_len, reused=True) | {"caption": meta.get("caption", item.caption)}
+    record = _ok_record(item, meta["bucket"], text_len, path.stat().st_size, reused=True)
+    return record | {"caption": meta.get("caption", item.caption)}
 
 
 def _tensor_info(path: Path) -> dict[str, dict[str, Any]]:
@@ -527,7 +587,9 @@ def _manifest(
         "tensors": {b: _tensor_info(cache / f) for b, f in sorted(first_of.items())},
         "text": {"max_tokens": text_tokens, "longest": max([empty_len, *(r["text_len"] for r in ok)])},
         "empty_prompt": "empty_prompt.safetensors",
-        "samples": [{k: r[k] for k in ("index", "file", "bucket", "caption", "source", "text_len")} for r in ok],
+        "samples": [
+            {k: r[k] for k in ("index", "file", "bucket", "caption", "source", "text_len", "bytes")} for r in ok
+        ],
         "bad": bad,
         "timing": {
             "seconds": round(seconds, 3),
@@ -575,12 +637,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         metavar="N",
         help="encode at most N new items per process, then stop without writing the manifest (a later run resumes)",
     )
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     args = parser.parse_args(argv)
-    recipe = recipe_from_args(args)
     try:
+        recipe = recipe_from_args(args)
+        check_prepare_inputs(recipe)
         prepare(recipe, stop_after=args.stop_after)
-    except ValueError as e:  # PrepareError, impossible sizes, unsupported family: a message, not a traceback
-        raise SystemExit(f"error: {e}") from None
+    except ValueError as e:  # PrepareError and other user errors, impossible sizes: one line, exit code 2
+        if args.debug:
+            raise
+        raise SystemExit(report(e if isinstance(e, UserError) else UserError(str(e)))) from None
 
 
 if __name__ == "__main__":

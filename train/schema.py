@@ -11,7 +11,7 @@ problem they find (they run once the section's own fields are valid).
 <problem>`, walking the schema along each error's location: mapping keys are joined with dots (a key holding a dot is
 quoted: `plan."blocks.0".gather`), list items are `[i]`, an unknown key names the closest valid key and lists the valid
 ones, and a wrong type says what was expected (`expected float or null, got 'fast' (str)`). The lines are raised
-together as one `SchemaError` (a `ValueError`); recipes raise its subclass `RecipeError`.
+together as one `SchemaError` (a `UserError`); recipes raise its subclass `RecipeError`.
 
 YAML is read YAML 1.2-like where 1.1 surprises: `1e-4` is a float (1.1 reads a string) and only `true`/`false` are
 booleans (1.1 reads `no`, `off`, `yes`, `on` as booleans, so `mixed_precision: no` stays a string). Duplicate keys
@@ -30,6 +30,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Tag, TypeAdapter, ValidationError
 from pydantic_core import PydanticCustomError
+
+from train.errors import UserError
 
 __all__ = [
     "STRICT",
@@ -62,8 +64,9 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
 
 
-class SchemaError(ValueError):
-    """Invalid file or override; `errors` holds one `<source>: <dotted.path>: <problem>` line per problem."""
+class SchemaError(UserError):
+    """Invalid file or override; `errors` holds one `<source>: <dotted.path>: <problem>` line per problem. A user
+    error (train/errors.py): every rank reads the same file and raises the same lines, so rank 0 alone prints them."""
 
     what = "the file"
 

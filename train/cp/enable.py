@@ -40,7 +40,25 @@ from .plans import (
 from .state import ContextParallelState, cp_device_type
 from .ulysses import GatherAnything, install_ulysses_anything_backward
 
-__all__ = ["ContextParallelState", "enable_context_parallel", "cp_device_type"]
+__all__ = ["ContextParallelState", "check_tokens", "enable_context_parallel", "cp_device_type"]
+
+
+def check_tokens(cp: int, spec: Any, shapes: dict[str, dict[str, Any]], model_config: Any) -> None:
+    """Each rank of a CP group needs at least one token of every sequence the plan splits: a sample with fewer
+    transformer tokens than `cp` would fail deep inside a diffusers split. `shapes`: bucket -> the per-sample shapes
+    of the noised streams (synthetic shapes or the cache manifest's); `spec`: the family's FamilySpec. Checked at
+    startup, before any process group exists; raises UserError."""
+    from train.errors import UserError
+
+    for bucket, streams in shapes.items():
+        tokens = spec.tokens_per_sample(streams, model_config)
+        if tokens < cp:
+            latents = "x".join(str(n) for n in streams["latents"])
+            raise UserError(
+                f"parallel.cp={cp} is more than the {tokens} transformer token(s) of a {bucket} sample (latents "
+                f"{latents} after the model's patching), and each CP rank needs at least one: set parallel.cp <= "
+                f"{tokens}, or train on larger samples"
+            )
 
 
 def _resolve_mesh(mesh: DeviceMesh | None, degree: int | None) -> DeviceMesh:

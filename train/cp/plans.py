@@ -25,7 +25,7 @@ touching model code:
 `dim` is the split/gather dimension; `expected_dims` (optional, null = unchecked) is the rank the tensor must have,
 else diffusers leaves it unsplit (with a warning). The file's schema is `PlanFile` below, checked by the engine that
 checks recipes (train/schema.py): unknown keys, wrong types and duplicate keys are errors, all reported together as
-`<file>: <dotted.key>: <problem>` (a PlanError, a ValueError).
+`<file>: <dotted.key>: <problem>` (a PlanError, a UserError: train/errors.py).
 
 A wildcard path may both split and gather (Helios does this around attn1/attn2/ffn). A diffusers plan holds one value
 per key, so the gathers of such paths live in `CPPlanSpec.extra_gathers`, and `CPPlanSpec.diffusers_plan(model)`
@@ -293,11 +293,15 @@ def _is_int(value: Any) -> bool:
 
 
 def load_plan_file(path: str | Path) -> CPPlanSpec:
-    """Load and strictly check one plan file. Raises PlanError (a ValueError) naming the file and each dotted key."""
+    """Load and strictly check one plan file. Raises PlanError (a UserError) naming the file and each dotted key."""
     path = Path(path)
     source = _display(path)
     try:
         raw = load_yaml(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        fix = "point model.cp_plan at a plan YAML (cp_plans/ holds the shipped ones), or null for the shipped plan"
+        raise PlanError([f"{source}: cannot read the CP plan ({why}); {fix}"]) from exc
     except yaml.YAMLError as exc:
         raise PlanError([f"{source}: invalid YAML: {exc}"]) from exc
     plan, errors = validate(PlanFile, raw, source)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Recipe
+from ..errors import UserError
 from ..models.spec import FamilySpec
 from .dataset import BucketBatchSampler, CachedLatentDataset, collate
 from .synthetic_latents import SyntheticLatentDataset
@@ -19,12 +20,12 @@ def build_dataset(recipe: Recipe, spec: FamilySpec):
     if data.synthetic is not None:
         missing = [k for k in spec.batch_keys if k not in data.synthetic.shapes]
         if missing:
-            raise ValueError(f"data.synthetic.shapes lacks {missing}: family {spec.name} reads {list(spec.batch_keys)}")
+            raise UserError(f"data.synthetic.shapes lacks {missing}: family {spec.name} reads {list(spec.batch_keys)}")
         return SyntheticLatentDataset(data.synthetic.num_samples, data.synthetic.shapes, recipe.train.seed,
                                       getattr(torch, recipe.model.dtype))  # fmt: skip
     if data.cache_dir is None:
-        raise ValueError("set data.cache_dir (written by `python -m train.prepare`) or data.synthetic")
-    return CachedLatentDataset(data.cache_dir)
+        raise UserError("set data.cache_dir (written by `python -m train.prepare`) or data.synthetic")
+    return CachedLatentDataset(data.cache_dir, family=recipe.model.family)  # checked now: files, sizes, family, keys
 
 
 def check_text_lengths(dataset, spec: FamilySpec, recipe: Recipe) -> None:
@@ -54,8 +55,20 @@ class Batches:
         self._empty = dataset.empty_prompt()
 
     def __next__(self) -> dict[str, torch.Tensor]:
+        return self.take()[0]
+
+    def take(self) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """The next batch and the ids of its samples. The ids stay out of the batch, which holds only what the model
+        reads (family specs, caption dropout and the contract hash see tensors only); errors name the data with them."""
         indices = next(self._it)
-        return {k: v.to(self.device) for k, v in collate([self.dataset[i] for i in indices]).items()}
+        batch = {k: v.to(self.device) for k, v in collate([self.dataset[i] for i in indices]).items()}
+        return batch, self.sample_ids(indices)
+
+    def sample_ids(self, indices: list[int]) -> list[str]:
+        """`#<dataset index>`, plus the sample file under data.cache_dir for cached data."""
+        if isinstance(self.dataset, CachedLatentDataset):
+            return [f"#{i} ({self.dataset.samples[i]['file']})" for i in indices]
+        return [f"#{i}" for i in indices]
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict()

@@ -19,7 +19,13 @@ Each sample file holds tensors (per sample, no batch dim; floating tensors in th
 and string metadata: caption, source (file path or dataset row), bucket ("FxHxW", the pixel clip shape), family,
 index. `manifest.json` has: format, version, family, pretrained_path, settings, counts (total/ok/bad, bad by reason),
 buckets (bucket -> count), tensors (name -> shape/dtype per bucket), text (max_tokens, longest), samples (index, file,
-bucket, caption), bad (index, source, reason, detail), timing. See `train.prepare`.
+bucket, caption, source, text_len, bytes), bad (index, source, reason, detail), timing. See `train.prepare`.
+
+Checked when a `CachedLatentDataset` opens (seconds for thousands of files, nothing but sizes and headers read): the
+folder and its manifest exist and list samples, every sample file is present and of the size the manifest declares (a
+cache written before sizes were recorded: of the size its own safetensors header implies), and, given the recipe's
+family, that the cache was prepared for it and holds the keys and latent ranks its spec reads. Each item is checked
+for NaN/Inf when it is loaded. A problem is one `UserError` line naming the cache (and file) and the fix.
 
 Sampling contract (`BucketBatchSampler`): every batch comes from one bucket (same shapes, so it stacks); the batch
 sequence depends only on (seed, epoch, dp_rank, dp_size), so all ranks of a context-parallel group (same dp_rank) get
@@ -30,12 +36,15 @@ the same batches and different data-parallel groups get disjoint ones; it runs f
 from __future__ import annotations
 
 import json
+import os
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..errors import UserError
 from .synthetic_latents import SyntheticLatentDataset
 
 __all__ = [
@@ -47,6 +56,7 @@ __all__ = [
     "collate",
     "pad_text",
     "read_manifest",
+    "safetensors_problem",
     "sample_path",
 ]
 
@@ -59,21 +69,76 @@ def sample_path(cache_dir: str | Path, index: int) -> Path:
     return Path(cache_dir) / "samples" / f"{index:06d}.safetensors"
 
 
+def _prepare_fix(cache_dir: str | Path) -> str:
+    return f"run `python -m train.prepare --recipe <recipe>` with data.cache_dir={cache_dir}"
+
+
+class CacheMissingError(UserError, FileNotFoundError):
+    """No usable cache at data.cache_dir (a UserError that callers catching FileNotFoundError also see)."""
+
+
 def read_manifest(cache_dir: str | Path) -> dict[str, Any]:
-    path = Path(cache_dir) / "manifest.json"
-    if not path.is_file():
-        hint = " (a prepare was started there but did not finish)" if (Path(cache_dir) / "samples").is_dir() else ""
-        raise FileNotFoundError(
-            f"no cache at {cache_dir}: {path.name} is missing{hint}; run `python -m train.prepare --recipe <recipe>` "
-            "with data.cache_dir set to this folder"
+    folder = Path(cache_dir)
+    path = folder / "manifest.json"
+    if not folder.is_dir():
+        what = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise CacheMissingError(
+            f"data.cache_dir {cache_dir} {what}: {_prepare_fix(cache_dir)} to create the cache, or fix the path"
         )
-    manifest = json.loads(path.read_text())
-    if manifest.get("format") != CACHE_FORMAT or manifest.get("version") != CACHE_VERSION:
-        raise ValueError(
-            f"{path}: not a {CACHE_FORMAT} v{CACHE_VERSION} manifest (format {manifest.get('format')!r}, "
-            f"version {manifest.get('version')!r}); re-run train.prepare into a new cache_dir"
+    if not path.is_file():
+        if (folder / "samples").is_dir():
+            why = f"{path.name} is missing: a prepare was started there but did not finish; {_prepare_fix(cache_dir)}"
+            raise CacheMissingError(f"no cache at {cache_dir}: {why} again to resume and finish it")
+        what = "is empty" if not any(folder.iterdir()) else f"holds no {path.name}, so it is not a prepared cache"
+        raise CacheMissingError(
+            f"no cache at {cache_dir}: the folder {what}; {_prepare_fix(cache_dir)}, or point data.cache_dir at a "
+            "prepared cache"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise UserError(
+            f"{path}: not valid JSON ({e}); the cache is damaged: {_prepare_fix(cache_dir)} again"
+        ) from None
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != CACHE_FORMAT
+        or manifest.get("version") != CACHE_VERSION
+    ):
+        found = manifest if isinstance(manifest, dict) else {}
+        raise UserError(
+            f"{path}: not a {CACHE_FORMAT} v{CACHE_VERSION} manifest (format {found.get('format')!r}, "
+            f"version {found.get('version')!r}); re-run train.prepare into a new data.cache_dir"
         )
     return manifest
+
+
+def safetensors_problem(path: Path, size: int | None = None) -> str | None:
+    """Why `path` is not a whole safetensors file ("is missing", "is truncated ..."), or None when it is whole.
+
+    Only the size is read when `size` (the bytes the manifest declares) is given; else the 8-byte length and the JSON
+    header are read and the size the header implies (8 + header + the end of the last tensor) is compared: no tensor
+    data is read either way, so thousands of files take well under a second.
+    """
+    try:
+        actual = os.stat(path).st_size
+    except FileNotFoundError:
+        return "is missing"
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    if size is not None:
+        return None if actual == size else f"has {actual} bytes, the manifest declares {size} (truncated or rewritten)"
+    try:
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if not 8 < 8 + length <= actual:
+                return f"is truncated or not a safetensors file ({actual} bytes)"
+            header = json.loads(f.read(length))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return "has a damaged safetensors header"
+    expected = 8 + length + end
+    return None if actual == expected else f"has {actual} bytes where its header needs {expected} (truncated)"
 
 
 def pad_text(item: Mapping[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
@@ -98,16 +163,72 @@ class CachedLatentDataset:
     `pad_text=True` (default) right-pads every item's text (and `empty_prompt()`) to the longest text in the cache, so
     any batch stacks and caption dropout can swap in the empty caption; families whose pipeline pads to a fixed
     length (T5/UMT5) already have equal lengths and are untouched. `buckets[i]` is item i's bucket, for the sampler.
+    Opening checks the files (see the module doc) and, given `family` (the recipe's model.family), that the cache fits
+    that family's spec; every problem is a `UserError`.
     """
 
-    def __init__(self, cache_dir: str | Path, *, pad_text: bool = True) -> None:
+    def __init__(self, cache_dir: str | Path, *, pad_text: bool = True, family: str | None = None) -> None:
         self.cache_dir = Path(cache_dir)
+        self.non_finite: set[Path] = set()  # samples already reported as holding NaN/Inf
         self.manifest = read_manifest(self.cache_dir)
         self.samples: list[dict[str, Any]] = self.manifest["samples"]
         if not self.samples:
-            raise ValueError(f"cache {cache_dir} has no samples (every item was bad: see manifest.json 'bad')")
+            bad = self.manifest.get("counts", {}).get("bad", "all")
+            raise UserError(
+                f"cache {cache_dir} has no samples: {bad} items of the source were bad (see 'bad' in "
+                f"{self.cache_dir / 'manifest.json'}); fix or replace the media and {_prepare_fix(cache_dir)} again"
+            )
+        if family is not None:
+            self.check_family(family)
+        self.check_files()
         self.buckets: list[str] = [s["bucket"] for s in self.samples]
         self.text_length: int | None = self.manifest["text"]["longest"] if pad_text else None
+
+    def check_files(self) -> None:
+        """Every sample file (and the empty caption's) is present and whole; a UserError naming the first that is not
+        (sizes and headers only: seconds for thousands of files)."""
+        files = [(s["file"], s.get("bytes")) for s in self.samples] + [("empty_prompt.safetensors", None)]
+        problems = []
+        for file, size in files:
+            why = safetensors_problem(self.cache_dir / file, size)
+            if why is not None:
+                problems.append((file, why))
+        if problems:
+            (file, why), more = problems[0], len(problems) - 1
+            others = f" (and {more} more files are missing or damaged)" if more else ""
+            raise UserError(
+                f"cache {self.cache_dir}: {file} {why}{others}; {_prepare_fix(self.cache_dir)} again (it re-encodes "
+                "missing and damaged samples), or point data.cache_dir at a complete cache"
+            )
+
+    def check_family(self, family: str) -> None:
+        """The cache was prepared for `family`, and each bucket holds the keys its spec reads with the latent rank its
+        encoder writes (from the manifest: no file read). A UserError otherwise."""
+        from ..models import get_encoder, get_family
+        from .media import Bucket
+
+        cached = self.manifest.get("family")
+        fix = f"point data.cache_dir at a {family} cache, or {_prepare_fix('<a new folder>')}"
+        if cached != family:
+            raise UserError(f"cache {self.cache_dir} was prepared for model family {cached!r}, not {family!r}: {fix}")
+        spec, encoder = get_family(family), get_encoder(family)
+        fps = self.manifest.get("settings", {}).get("fps")
+        first = {}
+        for s in self.samples:
+            first.setdefault(s["bucket"], s["file"])
+        for bucket, tensors in self.manifest.get("tensors", {}).items():
+            where = f"cache {self.cache_dir}: {first.get(bucket, bucket)} (bucket {bucket})"
+            missing = [k for k in dict.fromkeys((*spec.streams, *spec.batch_keys)) if k not in tensors]
+            if missing:
+                raise UserError(f"{where} lacks {missing}, which {family} reads; {fix}")
+            b = Bucket.parse(bucket)
+            for key, shape in encoder.latent_shapes(b.frames, b.height, b.width, fps).items():
+                have = tuple(tensors[key]["shape"])
+                if len(have) != len(shape):
+                    raise UserError(
+                        f"{where} has {key} of shape {have}, but {family} reads {len(shape)}-d {key} (C, ...) like "
+                        f"{shape}; {fix}"
+                    )
 
     @property
     def family(self) -> str:
@@ -117,9 +238,28 @@ class CachedLatentDataset:
         return len(self.samples)
 
     def _load(self, path: Path) -> dict[str, torch.Tensor]:
+        """The tensors of one file: refused (UserError naming it) when unreadable; a warning naming it when not finite.
+        Only the ranks that read this item (one CP group) see the problem, hence same_on_every_rank=False."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        item = load_file(path)
+        try:
+            item = load_file(path)
+        except (OSError, SafetensorError) as e:
+            why = safetensors_problem(path) or f"cannot be read ({str(e).splitlines()[0]})"
+            raise UserError(
+                f"{path} {why}: {_prepare_fix(self.cache_dir)} again (it re-encodes missing and damaged samples)",
+                same_on_every_rank=False,
+            ) from None
+        bad = [k for k, t in item.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if bad and path not in self.non_finite:
+            # Said once per file; the sample still goes into its batch, whose step the trainer then skips (no update)
+            # and counts: one bad sample never stops nor poisons a run.
+            self.non_finite.add(path)
+            counts = ", ".join(f"{k}: {int((~torch.isfinite(item[k])).sum())} of {item[k].numel()}" for k in bad)
+            print(f"warning: {path} holds NaN/Inf values ({counts}): the steps that read it are skipped; delete it and "
+                  f"{_prepare_fix(self.cache_dir)} again (it re-encodes the item, or lists it as bad when the encoders "
+                  "give NaN/Inf again)", file=sys.stderr, flush=True)  # fmt: skip
         return pad_text(item, self.text_length) if self.text_length else item
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:

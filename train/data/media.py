@@ -30,9 +30,10 @@ stereo. The window starts at the first video frame's timestamp (the instant `loa
 starts later or ends earlier is zero-padded by at most `max_pad` samples.
 
 Bad inputs raise `BadMediaError` with a short machine-readable `reason` (`unreadable`, `too_short`, `too_small`,
-`no_audio` for a clip without an audio stream where the family needs one), so
-`train.prepare` can skip, count and list them. A setting no item could ever satisfy (a height the VAE/patch stride
-does not divide, 16 frames for a family that takes 4k+1) is a `ValueError` from `Geometry.check`, raised at startup.
+`no_audio` for a clip without an audio stream where the family needs one; `train.prepare` adds `non_finite` for an item
+the encoders turn into NaN/Inf), so `train.prepare` can skip, count and list them. A setting no item could ever satisfy
+(a height the VAE/patch stride does not divide, 16 frames for a family that takes 4k+1) is a `ValueError` from
+`Geometry.check`, raised at startup.
 """
 
 from __future__ import annotations

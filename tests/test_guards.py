@@ -1,0 +1,251 @@
+"""The trainer's numerical guards and its graceful stop, through the real entry point (2 processes, CP 2, gloo).
+
+One tiny Wan cache (its own tiny pipeline, `train.prepare`) and copies of it with one sample damaged:
+- a NaN in one sample's latents: the dataset warns once naming the file and hands it on; every step that reads it has
+  a non-finite loss and is skipped (no update), reported in metrics.jsonl; the run ends with exit code 0 and finite
+  exported weights.
+- a diverging lr (1e6, no clipping): `train.max_bad_steps` non-finite steps in a row stop the run (rank exit code 2)
+  with one line naming the step and each step's samples; under data parallelism, only the bad group's sample.
+- SIGTERM to one rank, then (after `--resume`) to the launcher: every rank finishes the step, writes a checkpoint and
+  exits; resuming to the end gives the uninterrupted run's losses.
+
+Launches (~6-15 s each) are shared between the tests through module fixtures.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from train.config import recipe_from_dict
+from train.data.dataset import read_manifest
+from train.data.synthetic_media import make_media_set
+from train.models import build_tiny_pipeline, get_encoder
+from train.prepare import prepare
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 40  # enough steps (~0.1 s each) for a signal to land mid-run
+TOL = 1e-6
+F, H, W = 5, 32, 48  # Wan: 4k + 1 frames, sides multiples of 16
+
+
+def _plant(path: Path, value: float) -> None:
+    """Overwrite the first element of the sample's latents in place: the file keeps its size and header."""
+    with open(path, "r+b") as f:
+        length = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(length))["latents"]
+        dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[entry["dtype"]]
+        f.seek(8 + length + entry["data_offsets"][0])
+        f.write(torch.tensor([value], dtype=dtype).view(torch.uint8).numpy().tobytes())
+
+
+def _copy_with(cache: Path, dest: Path, value: float) -> tuple[Path, str]:
+    """A copy of `cache` whose second sample holds `value`; returns (the copy, that sample's file)."""
+    subprocess.run(["cp", "-r", str(cache), str(dest)], check=True)
+    file = read_manifest(dest)["samples"][1]["file"]
+    _plant(dest / file, value)
+    return dest, file
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("guards")
+    pipe = build_tiny_pipeline("wan", root / "pipe")
+    media = root / "media"
+    make_media_set(media, num_videos=4, num_images=0, frames=9, height=H, width=W, fps=16.0)
+    data = {"source": str(media), "cache_dir": str(root / "cache"), "height": H, "width": W, "num_frames": F,
+            "fps": 16.0, "max_text_tokens": None if get_encoder("wan").fixed_text_tokens else 16}  # fmt: skip
+    recipe = {
+        "model": {"family": "wan", "pretrained_path": str(pipe), "dtype": "float32"},
+        "data": data,
+        "parallel": {"cp": 2},
+        "train": {"max_steps": STEPS, "batch_size": 1, "lr": 1e-3, "seed": 0, "mixed_precision": "no"},
+        "finetune": {"method": "full"},
+        "logging": {"wandb_mode": "disabled", "progress_bar": False, "every_n_steps": 1},
+        "checkpoint": {"every_n_steps": 0, "export": "auto"},
+    }
+    assert prepare(recipe_from_dict(recipe), log=lambda _: None)["counts"]["ok"] == 4
+    nan, nan_file = _copy_with(root / "cache", root / "cache_nan", math.nan)
+    path = root / "recipe.yaml"
+    path.write_text(json.dumps(recipe))  # JSON is YAML
+    return {"root": root, "recipe": path, "caches": {"clean": root / "cache", "nan": nan},
+            "files": {"nan": nan_file}}  # fmt: skip
+
+
+def _start(setup: dict, out: Path, cache: str, *overrides: str, resume: bool = False) -> tuple[subprocess.Popen, Path]:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu.yaml",
+           "--num_processes", "2", "train/finetune.py", "--recipe", str(setup["recipe"]), f"--set=output_dir={out}",
+           f"--set=data.cache_dir={setup['caches'][cache]}", *[f"--set={o}" for o in overrides]]  # fmt: skip
+    log = out.with_suffix(".log")
+    with open(log, "w") as f:  # a file, not a pipe: the test polls metrics.jsonl meanwhile
+        proc = subprocess.Popen(cmd + (["--resume"] if resume else []), cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"})  # fmt: skip
+    return proc, log
+
+
+def _launch(setup: dict, name: str, cache: str, *overrides: str) -> tuple[int, str, Path]:
+    out = setup["root"] / name
+    proc, log = _start(setup, out, cache, *overrides)
+    return proc.wait(timeout=600), log.read_text(), out
+
+
+def _metrics(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _last_step(out: Path) -> int:
+    """The last step in metrics.jsonl while a run writes it (0 before its first complete line)."""
+    try:
+        return _metrics(out)[-1]["step"]
+    except (IndexError, ValueError):  # no line yet, or one half written
+        return 0
+
+
+def _errors(log: str) -> list[str]:
+    return [line for line in log.splitlines() if line.startswith("error")]
+
+
+@pytest.fixture(scope="module")
+def nan_run(setup) -> tuple[int, str, Path]:
+    return _launch(setup, "nan", "nan")
+
+
+def test_a_nan_in_one_cached_sample_is_skipped_and_the_run_ends_finite(setup, nan_run) -> None:
+    code, log, out = nan_run
+    assert code == 0, log[-4000:]
+    # the dataset names the file once per rank that reads it, and hands the sample on
+    warned = [line for line in log.splitlines() if line.startswith("warning") and setup["files"]["nan"] in line]
+    assert len(warned) == 2, log[-4000:]
+    lines = _metrics(out)
+    assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
+    skipped = [m for m in lines if m["skipped"]]
+    # 4 samples, batch 1, one data-parallel group: the damaged one is read once per 4-step epoch
+    assert len(skipped) == STEPS // 4 and lines[-1]["bad_steps"] == len(skipped)
+    assert all(not math.isfinite(m["loss"]) for m in skipped)
+    assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in lines if not m["skipped"])
+    kept = [m["loss"] for m in lines if not m["skipped"]]
+    assert len(set(kept)) > 1  # the healthy steps did train
+    weights = {}
+    for shard in sorted((out / "transformer").glob("*.safetensors")):
+        weights.update(load_file(shard))
+    assert weights and all(bool(torch.isfinite(t).all()) for t in weights.values())
+
+
+def test_a_diverging_run_stops_after_max_bad_steps_naming_steps_and_samples(setup) -> None:
+    code, log, out = _launch(setup, "diverge", "clean", "train.lr=1e6", "train.max_grad_norm=null")
+    assert code != 0 and re.search(r"exitcode\s*:\s*2\b", log), log[-3000:]  # the ranks' user-error code
+    errors = _errors(log)
+    assert len(errors) == 1, log[-3000:]
+    lines = _metrics(out)
+    last = lines[-1]["step"]
+    assert [m["skipped"] for m in lines[-3:]] == [True] * 3 and not any(m["skipped"] for m in lines[:-3])
+    assert [m["bad_steps"] for m in lines[-3:]] == [1, 2, 3]
+    assert f"stopped at step {last}: 3 steps in a row" in errors[0]
+    names = read_manifest(setup["caches"]["clean"])["samples"]
+    for step in (last - 2, last - 1, last):  # each step's sample: its dataset index and its cache file
+        named = re.search(rf"step {step} \([^)]*\): #(\d+) \(([^)]+)\)", errors[0])
+        assert named and names[int(named[1])]["file"] == named[2], errors[0]
+    assert not (out / "transformer").exists() and not (out / "checkpoints").exists()
+
+
+def test_under_data_parallel_the_error_names_the_bad_sample_alone(setup) -> None:
+    """dp_shard 2: the two groups read different samples; the step that reads the NaN one is bad on every rank (the
+    loss is averaged over all ranks), and the error names that sample only, not the other group's."""
+    code, log, out = _launch(setup, "dp2", "nan", "parallel.cp=1", "parallel.dp_shard=2", "train.max_bad_steps=1")
+    errors = _errors(log)
+    assert code != 0 and len(errors) == 1, log[-3000:]
+    step = _metrics(out)[-1]["step"]
+    named = re.search(rf"stopped at step {step}: 1 step in a row .* step {step} \([^)]*\): (#\d+ \([^)]+\))\. ",
+                      errors[0])  # fmt: skip
+    assert named and named[1].endswith(f"({setup['files']['nan']})"), errors[0]
+
+
+def _signal_mid_run(proc: subprocess.Popen, out: Path, after_step: int, target: str) -> tuple[int, float]:
+    """Wait until metrics.jsonl reaches `after_step`, send SIGTERM to `target` ("launcher" or "rank1"), wait for the
+    launcher to exit; returns its exit code and the seconds from the signal to the exit."""
+    while _last_step(out) < after_step:
+        assert proc.poll() is None, "the run ended before the signal"
+        time.sleep(0.05)
+    pid = proc.pid
+    if target == "rank1":
+        pid = next(p.pid for p in psutil.Process(proc.pid).children(recursive=True)
+                   if p.environ().get("RANK") == "1")  # fmt: skip
+    t0 = time.perf_counter()
+    os.kill(pid, signal.SIGTERM)
+    code = proc.wait(timeout=120)
+    return code, time.perf_counter() - t0
+
+
+def _stopped_at(log: str) -> tuple[int, Path]:
+    found = re.findall(r"^stopped by SIGTERM after step (\d+); checkpoint: (\S+); resume with --resume$", log, re.M)
+    assert len(found) == 1, log[-3000:]
+    step, path = int(found[0][0]), Path(found[0][1])
+    assert path.name == f"step_{step:06d}" and (path / "COMPLETE").exists()
+    return step, path
+
+
+def test_sigterm_checkpoints_and_resume_matches_the_uninterrupted_run(setup, nan_run) -> None:
+    """SIGTERM to one rank only (the ranks agree on the stop: exit 0), then after a resume to the launcher (torchrun
+    forwards it); a second resume runs to the end: the losses (and skips) of the uninterrupted run, step by step."""
+    out = setup["root"] / "sigterm"
+    proc, log = _start(setup, out, "nan")
+    code, one_rank_s = _signal_mid_run(proc, out, 2, "rank1")
+    first, _ = _stopped_at(log.read_text())
+    assert code == 0, log.read_text()[-3000:]
+    assert first < STEPS and not (out / "transformer").exists()
+
+    proc, log = _start(setup, out, "nan", resume=True)
+    code, launcher_s = _signal_mid_run(proc, out, first + 2, "launcher")
+    text = log.read_text()
+    second, _ = _stopped_at(text)
+    assert f"resumed from {out / 'checkpoints' / f'step_{first:06d}'} at step {first}" in text
+    assert first < second < STEPS
+    # torchrun's agent re-raises the signal it forwarded (SignalException): the launcher exits 1 although every rank
+    # finished its step, wrote the checkpoint and exited 0; no rank reported an error
+    assert code == 1 and "SignalException" in text and not _errors(text), text[-3000:]
+
+    proc, log = _start(setup, out, "nan", resume=True)
+    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    resumed, reference = _metrics(out), _metrics(nan_run[2])
+    assert [m["step"] for m in resumed] == [m["step"] for m in reference] == list(range(1, STEPS + 1))
+    for a, b in zip(resumed, reference):
+        assert a["skipped"] == b["skipped"], (a, b)
+        if not b["skipped"]:
+            assert abs(a["loss"] - b["loss"]) <= TOL * max(1.0, abs(b["loss"])), (a, b)
+    print(f"SIGTERM → checkpoint → exit: one rank signalled {one_rank_s:.2f} s (stopped after step {first}), "
+          f"launcher signalled {launcher_s:.2f} s (after step {second})")  # fmt: skip
+
+
+def test_stop_request_records_sigint_and_sigterm(tmp_path) -> None:
+    """In this process, on a 1-rank group: no signal → no stop; Ctrl-C (SIGINT) → "SIGINT", the process lives on;
+    SIGTERM as well → "SIGTERM" (the larger signal number wins the MAX, as it does across ranks)."""
+    import torch.distributed as dist
+
+    from train.finetune import StopRequest
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        stop = StopRequest(torch.device("cpu"))
+        assert stop.agreed() is None and stop.agreed_signal is None
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.agreed() == "SIGINT"
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.agreed() == stop.agreed_signal == "SIGTERM"
+    finally:
+        dist.destroy_process_group()
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
