@@ -299,7 +299,7 @@ def _measure(
     from train.config import FinetuneConfig
     from train.modeling import apply_finetune
     from train.models import get_family
-    from train.parallel import apply_activation_levers, repeated_blocks
+    from train.parallel import repeated_blocks
 
     spec = get_family(family)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -363,7 +363,15 @@ def _measure(
     if not with_peak:
         return row
 
-    # 2. the peak of forward + backward above the parameters and the gradients alive at each moment
+    row["peak"], row["peak_ckpt"] = _peaks(model, kwargs, amp, blocks)
+    return row
+
+
+def _peaks(model: torch.nn.Module, kwargs: dict, amp: Any, blocks: list[torch.nn.Module]) -> tuple[int, int]:
+    """The peak of forward + backward above the parameters and the gradients alive at each moment: plain, then with
+    every block checkpointed (the levers are left applied)."""
+    from train.parallel import apply_activation_levers
+
     grads = [0]
     for p in model.parameters():
         if p.requires_grad:
@@ -382,10 +390,9 @@ def _measure(
         model.zero_grad(set_to_none=True)
         return live.peak
 
-    row["peak"] = peak()
+    plain = peak()
     apply_activation_levers(blocks, checkpoint_every=1, offload=False, compile=False)
-    row["peak_ckpt"] = peak()
-    return row
+    return plain, peak()
 
 
 # Calibration points, (latent grid ×, text ×) of the instance's shapes: bytes are fitted on the first four (N, N², T,
