@@ -90,11 +90,16 @@ def test_family_contract(name: str) -> None:
     spec, module = get_family(name), family_module(name)
     assert isinstance(spec, FamilySpec) and spec is module.SPEC and spec.name == name
     assert spec.streams[0] == "latents"
-    assert family_for_transformer(spec.transformer_class) is spec
+    if sum(s.transformer_class == spec.transformer_class for s in FAMILIES.values()) == 1:
+        assert family_for_transformer(spec.transformer_class) is spec
+    else:  # variants of one transformer class (Wan 2.1 T2V / I2V, Wan 2.2): the class alone names no family
+        with pytest.raises(KeyError, match="no unique model family"):
+            family_for_transformer(spec.transformer_class)
     for cls in (spec.transformer_class, spec.pipeline_class, spec.vae_class):
         assert hasattr(diffusers, cls), cls
-    # what a family needs besides its folder: a CP plan for its transformer class, and a tiny recipe
-    assert plan_for(spec.transformer_class).path == REPO / "cp_plans" / f"{name}.yaml"
+    # what a family needs besides its folder: a CP plan for its transformer class (variants of one class share it),
+    # and a tiny recipe
+    assert plan_for(spec.transformer_class).path.parent == REPO / "cp_plans"
     assert tm.tiny_recipe(name).model.family == name
     encoder = get_encoder(name)
     assert isinstance(encoder, FamilyEncoder) and encoder.name == name and encoder.pipe is None

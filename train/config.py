@@ -162,6 +162,10 @@ class ModelConfig(Section):
     flow_shift: Annotated[float, Field(gt=0)] | None = None
     """Flow-matching timestep shift of the primary stream; null = the family scheduler's own (Wan 2.1: 3.0, the
     480p default; use 5.0 for 720p). A number replaces a resolution-dependent shift too."""
+    boundary_ratio: Annotated[float, Field(gt=0, lt=1)] | None = None
+    """Mixture-of-experts families (Wan 2.2 A14B): the sigma where the pipeline switches from the high-noise expert
+    (`transformer`) to the low-noise one (`transformer_2`); model.subfolder picks the expert trained, whose sigmas are
+    the only ones drawn. null = the pipeline's own (model_index.json)."""
 
     @model_validator(mode="after")
     def _weights(self) -> ModelConfig:
@@ -321,6 +325,9 @@ class DataConfig(Section):
     """Media folder, metadata.jsonl/csv file or datasets name that `train.prepare` encodes into cache_dir."""
     caption_column: str = "text"
     """Column (datasets) or sidecar key (media folder) holding each sample's caption."""
+    reference_column: str = "reference"
+    """Editing families (Qwen-Image-Edit, FLUX.1 Kontext): column or metadata key holding each sample's reference
+    (input) image, a path relative to the metadata file or a dataset image."""
     height: Positive = 512
     """Pixel height media is resized/cropped to before encoding (when buckets is null)."""
     width: Positive = 512

@@ -58,9 +58,11 @@ from train.estimate import startup_check
 from train.export import export_full, export_lora
 from train.metrics import MetricsLogger, peak_memory_bytes
 from train.modeling import build_model, check_model, describe_start, family_spec
+from train.models import expert_sigma_range
 from train.models.spec import FamilySpec
 from train.objective import (
     add_noise,
+    condition_sigmas,
     flow_matching_target,
     loss_weight,
     sample_noise,
@@ -140,6 +142,7 @@ class Trainer:
     mesh: Mesh
     device: torch.device
     amp: torch.dtype | None
+    sigma_range: tuple[float, float] | None = None  # one expert of a mixture (Wan 2.2 A14B): its sigmas only
     bad: BadSteps = field(default_factory=BadSteps)
 
 
@@ -166,23 +169,27 @@ class StopRequest:
 
 
 def compute_loss(tr: Trainer, batch: dict, gen: torch.Generator) -> torch.Tensor:
-    """One micro-batch of the flow-matching objective: noise the latents, predict the velocity, weighted MSE."""
+    """One micro-batch of the flow-matching objective: noise the latents, predict the velocity, weighted MSE. Clean
+    conditioning elements (spec.condition_mask: e.g. an image-to-video first frame) get sigma 0 and no loss."""
     t, spec, device = tr.train, tr.spec, tr.device
     x0 = {s: batch[s] for s in spec.streams}
     B = x0["latents"].shape[0]
     sigmas = sample_stream_sigmas(B, spec, scheme=t.timestep_sampling, logit_mean=t.logit_mean, logit_std=t.logit_std,
                                   mode_scale=t.mode_scale, image_seq_len=spec.image_seq_len(x0["latents"].shape[1:]),
-                                  generator=gen)  # fmt: skip
+                                  sigma_range=tr.sigma_range, generator=gen)  # fmt: skip
+    sigmas = {s: v.to(device) for s, v in sigmas.items()}
     noise = {s: sample_noise(x.shape, generator=gen, dtype=x.dtype, device=device) for s, x in x0.items()}
-    noisy = {s: add_noise(x0[s], noise[s], sigmas[s].to(device)) for s in x0}
-    kwargs = spec.forward_kwargs(batch, noisy, {s: v.to(device) for s, v in sigmas.items()},
-                                 model_config=tr.model.config, cp=tr.mesh.dims.cp > 1)  # fmt: skip
+    cond = spec.conditioning(batch, x0["latents"])  # None for most families
+    element = {**sigmas, "latents": condition_sigmas(sigmas["latents"], cond)}  # (B,) or per element
+    noisy = {s: add_noise(x0[s], noise[s], element[s]) for s in x0}
+    kwargs = spec.forward_kwargs(batch, noisy, element, model_config=tr.model.config, cp=tr.mesh.dims.cp > 1)
     with torch.autocast(device.type, dtype=tr.amp) if tr.amp is not None else nullcontext():
         out = tr.model(**kwargs, return_dict=False)
     preds = spec.predictions(out, {s: x.shape for s, x in x0.items()}, model_config=tr.model.config)
     targets = {s: flow_matching_target(x0[s], noise[s]) for s in x0}
     weights = {s: loss_weight(sigmas[s], t.loss_weighting) for s in x0}
-    return sum(stream_losses(preds, targets, weights).values())
+    keep = {} if cond is None else {"latents": 1.0 - cond}
+    return sum(stream_losses(preds, targets, weights, keep).values())
 
 
 def train_step(tr: Trainer, step: int) -> dict[str, float]:
@@ -412,7 +419,8 @@ def main(argv: list[str] | None = None) -> None:
     batches.check_contract(mesh)  # a cheap cross-rank hash of the next batch: CP peers equal, DP groups differ
 
     # --- loop -----------------------------------------------------------------------------------------------------
-    trainer = Trainer(t, spec, model, params, optimizer, scheduler, parallel, batches, mesh, device, amp)
+    trainer = Trainer(t, spec, model, params, optimizer, scheduler, parallel, batches, mesh, device, amp,
+                      sigma_range=expert_sigma_range(spec, recipe.model))  # fmt: skip
     steps = range(start, t.max_steps)
     if dist.get_rank() == 0 and recipe.logging.progress_bar:
         from tqdm.auto import tqdm

@@ -92,23 +92,45 @@ def sample_stream_sigmas(
     logit_std: float = 1.0,
     mode_scale: float = 1.29,
     image_seq_len: int | None = None,
+    sigma_range: tuple[float, float] | None = None,
     generator: torch.Generator,
     device: torch.device | str | None = None,
 ) -> dict[str, torch.Tensor]:
     """Sigmas (B,) per stream of ``spec`` (``"latents"`` first), all from ONE base draw through each stream's shift.
 
     Families with ``shared_timestep`` draw one base value for the whole batch. The generator is advanced identically
-    whatever the family's streams are.
+    whatever the family's streams are. ``sigma_range`` (lo, hi): the primary stream's sigmas must fall in it (one expert
+    of a mixture, e.g. Wan 2.2 A14B): the base draw is mapped linearly onto the preimage of the range under the shift,
+    so the density keeps its shape inside the range and nothing is drawn outside it.
     """
     draws = 1 if spec.shared_timestep else batch_size
     u = sample_base(
         draws, scheme=scheme, logit_mean=logit_mean, logit_std=logit_std, mode_scale=mode_scale, generator=generator
     ).expand(batch_size)
+    if sigma_range is not None:
+        lo, hi = (unshift_sigma(s, spec.stream_shift(), image_seq_len) for s in sigma_range)
+        u = lo + (hi - lo) * u
     out = {}
     for stream in spec.streams:
         sigmas = shift_sigmas(u, spec.stream_shift(stream), image_seq_len).clamp(SIGMA_EPS, 1.0 - SIGMA_EPS)
         out[stream] = sigmas.contiguous().to(device if device is not None else sigmas.device)
     return out
+
+
+def unshift_sigma(sigma: float, shift: ShiftSpec, image_seq_len: int | None = None) -> float:
+    """The base value ``u`` that :func:`shift_sigmas` maps to ``sigma`` (the shift is monotonic in ``u``)."""
+    if not 0.0 <= sigma <= 1.0:
+        raise ValueError(f"sigma {sigma} is outside [0, 1]")
+    if shift.kind == "static":
+        return sigma / (shift.shift - (shift.shift - 1.0) * sigma)
+    lo, hi = 0.0, 1.0  # dynamic shifts: bisection on the monotonic map
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if float(shift_sigmas(torch.tensor([mid], dtype=torch.float64), shift, image_seq_len)) < sigma:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
 
 
 def sample_noise(
@@ -125,11 +147,22 @@ def sample_noise(
 
 def _expand(sigmas: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     sigmas = sigmas.to(device=like.device, dtype=like.dtype)
+    if sigmas.ndim == like.ndim:  # already per element (conditioned latents): broadcast as is
+        return sigmas
     return sigmas.reshape(sigmas.shape[0], *([1] * (like.ndim - 1)))
 
 
+def condition_sigmas(sigmas: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Per-element sigmas ``sigma * (1 - mask)`` shaped like ``mask`` (clean conditioning has sigma 0); ``sigmas``
+    (B,) unchanged when there is no mask."""
+    if mask is None:
+        return sigmas
+    return _expand(sigmas, mask) * (1.0 - mask)
+
+
 def add_noise(x0: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-    """``(1 - sigma) * x0 + sigma * noise`` with ``sigma`` (B,) broadcast over each sample."""
+    """``(1 - sigma) * x0 + sigma * noise`` with ``sigma`` (B,) broadcast over each sample, or per element (a tensor
+    of x0's rank that broadcasts to it, from :func:`condition_sigmas`)."""
     s = _expand(sigmas, x0)
     return (1.0 - s) * x0 + s * noise
 
@@ -144,12 +177,23 @@ def loss_weight(sigmas: torch.Tensor, scheme: WeightingScheme = "none") -> torch
     return compute_loss_weighting_for_sd3(weighting_scheme=scheme, sigmas=sigmas).float()
 
 
-def flow_matching_loss(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+def flow_matching_loss(
+    pred: torch.Tensor,
+    target: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Scalar float32 loss: per sample, the mean over elements of ``(pred - target)**2``, times that sample's weight;
-    then the mean over the batch (the diffusers flow-matching training examples' reduction)."""
+    then the mean over the batch (the diffusers flow-matching training examples' reduction). ``keep``: a 0/1 mask
+    broadcastable to ``pred``; the per-sample mean is then over the kept elements only (conditioning left out)."""
     if pred.shape != target.shape:
         raise ValueError(f"prediction {tuple(pred.shape)} and target {tuple(target.shape)} differ in shape")
-    per_sample = (pred.float() - target.float()).pow(2).reshape(pred.shape[0], -1).mean(dim=1)
+    err = (pred.float() - target.float()).pow(2)
+    if keep is None:
+        per_sample = err.reshape(pred.shape[0], -1).mean(dim=1)
+    else:
+        keep = keep.to(device=err.device, dtype=err.dtype).expand_as(err).reshape(pred.shape[0], -1)
+        per_sample = (err.reshape(pred.shape[0], -1) * keep).sum(dim=1) / keep.sum(dim=1).clamp_min(1.0)
     if weights is not None:
         per_sample = per_sample * weights.to(device=per_sample.device, dtype=torch.float32).reshape(-1)
     return per_sample.mean()
@@ -159,6 +203,12 @@ def stream_losses(
     preds: Mapping[str, torch.Tensor],
     targets: Mapping[str, torch.Tensor],
     weights: Mapping[str, torch.Tensor] | None = None,
+    keep: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """:func:`flow_matching_loss` per stream (sum them, or weight them, for the step's loss)."""
-    return {k: flow_matching_loss(preds[k], targets[k], None if weights is None else weights[k]) for k in targets}
+    """:func:`flow_matching_loss` per stream (sum them, or weight them, for the step's loss); ``keep`` per stream
+    (streams without one keep every element)."""
+    keep = keep or {}
+    return {
+        k: flow_matching_loss(preds[k], targets[k], None if weights is None else weights[k], keep.get(k))
+        for k in targets
+    }

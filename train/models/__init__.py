@@ -17,7 +17,8 @@ exports:
 * ``build_tiny(path)``: writes a tiny random-init pipeline folder (``save_pretrained`` of the real pipeline class),
 
 and documents in its docstring the cache layout, the forward kwargs and what the spec does not cover. Besides its
-folder, a family needs its CP plan (``cp_plans/<family>.yaml``) and its tiny recipe (``recipes/tiny/<family>.yaml``).
+folder, a family needs a CP plan for its transformer class (``cp_plans/<family>.yaml``; variants of one class, such as
+Wan 2.1 text- and image-to-video, share one) and its tiny recipe (``recipes/tiny/<family>.yaml``).
 The modules next to the packages (``spec``, ``encoder``, ``tiny``) are shared plumbing, not families.
 """
 
@@ -132,6 +133,45 @@ def transformer_config(
     return {k: v for k, v in shipped[key].items() if not k.startswith("_")}
 
 
+def pipeline_boundary_ratio(family: str, pretrained_path: str | None) -> float | None:
+    """``boundary_ratio`` of a mixture-of-experts pipeline (Wan 2.2 A14B): the local folder's model_index.json, else
+    the family's shipped ``configs/<org>--<repo>--model_index.json``; None when neither has one."""
+    if pretrained_path is None:
+        return None
+    local = Path(pretrained_path).expanduser() / "model_index.json"
+    if local.is_file():
+        return json.loads(local.read_text()).get("boundary_ratio")
+    shipped = real_configs(family).get(f"{pretrained_path}/model_index")
+    return None if shipped is None else shipped.get("boundary_ratio")
+
+
+def expert_sigma_range(spec: FamilySpec, model: Any) -> tuple[float, float] | None:
+    """The sigma range a recipe's transformer is trained on: None for one-transformer families; for a mixture
+    (``spec.experts``, high-noise expert first) the part of [0, 1] the pipeline routes to ``model.subfolder``:
+    ``sigma >= boundary`` for the high-noise expert, below it for the low-noise one (the pipeline compares its
+    timestep ``sigma * 1000`` with ``boundary_ratio * 1000``). ``model`` is the recipe's model section."""
+    from train.errors import UserError
+
+    if not spec.experts:
+        return None
+    if model.subfolder not in spec.experts:
+        raise UserError(
+            f"model.subfolder: {spec.name} is a mixture of experts {list(spec.experts)} (high noise first), got "
+            f"{model.subfolder!r}; set model.subfolder to the expert to train"
+        )
+    ratio = model.boundary_ratio
+    if ratio is None:
+        ratio = pipeline_boundary_ratio(spec.name, model.pretrained_path)
+    if ratio is None:
+        raise UserError(
+            f"model.boundary_ratio: {spec.name} needs the pipeline's boundary_ratio to know which sigmas "
+            f"{model.subfolder} denoises, and {model.pretrained_path} has none; set model.boundary_ratio"
+        )
+    if len(spec.experts) != 2:
+        raise NotImplementedError("one boundary_ratio splits two experts")
+    return (float(ratio), 1.0) if model.subfolder == spec.experts[0] else (0.0, float(ratio))
+
+
 def build_tiny_pipeline(name: str, path: str | Path) -> Path:
     """Build the tiny pipeline of family ``name`` with fixed weights and save it to ``path`` (reused when already
     there); returns ``path``. Modular-only pipelines (MiniMax-H3) save modular_model_index.json, the others
@@ -158,6 +198,8 @@ __all__ = [
     "FamilySpec",
     "ShiftSpec",
     "build_tiny_pipeline",
+    "expert_sigma_range",
+    "pipeline_boundary_ratio",
     "family_for_transformer",
     "family_module",
     "real_configs",

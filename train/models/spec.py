@@ -152,6 +152,16 @@ class FamilySpec:
     shared_text_length: bool = False
     # +1: the transformer predicts ``noise - x0`` (diffusers flow matching); -1: it predicts ``x0 - noise``.
     velocity_sign: float = 1.0
+    # (batch, latents (B, C, ...)) -> a 0/1 mask broadcastable to the primary latents, 1 where an element is clean
+    # conditioning (Wan 2.2 TI2V's and LTX image-to-video's first latent frame), or None. Masked elements are not
+    # noised, their timestep is 0 and the loss skips them; ``timesteps["latents"]`` given to build_inputs is then per
+    # element, ``timestep_from_sigma(sigma * (1 - mask))`` shaped like the mask, and build_inputs turns it into the
+    # per-token timestep the transformer takes. None (the field): every element is noised, timesteps are (B,).
+    condition_mask: Callable[[Mapping[str, Any], torch.Tensor], torch.Tensor | None] | None = None
+    # Mixture-of-experts checkpoints (Wan 2.2 A14B): the transformer subfolders from the high-noise expert to the
+    # low-noise one. A recipe trains one (model.subfolder); its sigmas are drawn only from that expert's range, split
+    # at the pipeline's boundary_ratio (see train.models.expert_sigma_range). Empty: one transformer.
+    experts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.latent_kind not in ("image", "video"):
@@ -195,6 +205,17 @@ class FamilySpec:
 
     def model_timesteps(self, sigmas: torch.Tensor | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: self.timestep_from_sigma(v) for k, v in _as_streams(sigmas).items()}
+
+    def conditioning(self, batch: Mapping[str, Any], latents: torch.Tensor) -> torch.Tensor | None:
+        """The clean-conditioning mask of the primary latents (see :attr:`condition_mask`), as the latents' dtype."""
+        if self.condition_mask is None:
+            return None
+        mask = self.condition_mask(batch, latents)
+        if mask is None:
+            return None
+        if mask.ndim != latents.ndim or torch.broadcast_shapes(mask.shape, latents.shape) != latents.shape:
+            raise ValueError(f"{self.name}: condition mask {tuple(mask.shape)} does not broadcast to {latents.shape}")
+        return mask.to(device=latents.device, dtype=latents.dtype)
 
     def forward_kwargs(
         self,
