@@ -74,6 +74,7 @@ class FamilyCase:
     sigmas: dict[str, torch.Tensor]
     noisy: dict[str, torch.Tensor]
     kwargs: dict[str, Any]
+    condition: torch.Tensor | None = None  # 1 = clean conditioning element of the latents (no loss), or None
 
     @property
     def shapes(self) -> dict[str, torch.Size]:
@@ -105,9 +106,11 @@ def family_case(
     sigmas = objective.sample_stream_sigmas(size, spec, image_seq_len=seq_len, generator=gen)
     sigmas = {s: v.to(dtype) for s, v in sigmas.items()}
     noise = {s: objective.sample_noise(batch[s].shape, generator=gen, dtype=dtype) for s in spec.streams}
-    noisy = {s: objective.add_noise(batch[s], noise[s], sigmas[s]) for s in spec.streams}
-    kwargs = spec.forward_kwargs(batch, noisy, sigmas, model_config=family_tiny_config(name), cp=cp)
-    return FamilyCase(spec, batch, noise, sigmas, noisy, kwargs)
+    cond = spec.conditioning(batch, batch["latents"])  # clean conditioning (first frame of image-to-video) or None
+    element = {**sigmas, "latents": objective.condition_sigmas(sigmas["latents"], cond)}
+    noisy = {s: objective.add_noise(batch[s], noise[s], element[s]) for s in spec.streams}
+    kwargs = spec.forward_kwargs(batch, noisy, element, model_config=family_tiny_config(name), cp=cp)
+    return FamilyCase(spec, batch, noise, sigmas, noisy, kwargs, cond)
 
 
 def family_loss(case: FamilyCase, out: Any, model_config: Any) -> torch.Tensor:
@@ -118,7 +121,11 @@ def family_loss(case: FamilyCase, out: Any, model_config: Any) -> torch.Tensor:
     loss = 0.0
     for s, pred in preds.items():
         target = objective.flow_matching_target(case.batch[s], case.noise[s]).to(pred.dtype)
-        loss = loss + torch.nn.functional.mse_loss(pred, target)
+        if s == "latents" and case.condition is not None:  # conditioning elements are out of the loss
+            keep = (1 - case.condition).to(pred.dtype).expand_as(pred)
+            loss = loss + ((pred - target).pow(2) * keep).sum() / keep.sum()
+        else:
+            loss = loss + torch.nn.functional.mse_loss(pred, target)
     return loss
 
 
