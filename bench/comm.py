@@ -1,4 +1,5 @@
-"""Collectives and bytes per attention layer (forward + backward) under Ulysses CP 2 and 4, CPU/gloo.
+"""Collectives and bytes per attention layer (forward + backward) under Ulysses CP 2 and 4, and ring / hybrid ring ×
+Ulysses next to Ulysses on the same tokens, CPU/gloo.
 
 Compares our trainable Ulysses-Anything attention (`train.cp.ulysses`) with diffusers' own even Ulysses
 (`TemplatedUlyssesAttention`, forward + backward, even shapes only) and diffusers' stock Ulysses-Anything (forward
@@ -280,6 +281,117 @@ def _rows(world: int, merged: list[dict]) -> list[list]:
     return rows
 
 
+# -- ring and hybrid ring × Ulysses next to Ulysses, on the same tokens ------------------------------------------------
+
+# world → (ring, ulysses) layouts compared on the same tokens; (label, sequence length, heads)
+LAYOUTS = {2: ((1, 2), (2, 1)), 4: ((1, 4), (2, 2), (4, 1))}
+RING_CASES = [("H8 S64 (even)", 64, 8), ("H7 S61 (uneven H, S)", 61, 7), ("H2 S61 (heads < degree)", 61, 2)]
+A2A_SITES = ("qkv", "out", "d_out", "d_qkv")  # Ulysses all-to-alls (inside a Ulysses group: one node)
+RING_SITES = ("ring_kv", "ring_kv_bwd", "ring_kv_grad", "ring_grad")  # ring shifts (across the ring: across nodes)
+
+
+def _layout_minimum(S: int, H: int, ring: int, uly: int, el: int) -> dict[str, float]:
+    """Bytes a (ring, ulysses) layout must move per pass, summed over all ranks. Ulysses part, exact for the uneven
+    split (each rank keeps its own heads of its own tokens): Q/K/V and O forward, dO and dQ/dK/dV backward, inside each
+    Ulysses group. Ring part: every ring rank must see every other ring rank's K/V once ((R-1)·|K+V| forward, all
+    heads together) and, backward, K/V again plus dK/dV home ((R-1)·(|K+V| + |dK+dV|))."""
+    s, h = _split(S, ring * uly), _split(H, uly)
+    a2a = 0
+    for g in range(ring * uly):
+        i, u = divmod(g, uly)
+        group = sum(s[i * uly : (i + 1) * uly])
+        a2a += (3 * B * s[g] * (H - h[u]) * D + B * (group - s[g]) * h[u] * D) * el if uly > 1 else 0
+    kv = 2 * B * S * H * D * el
+    return {"a2a": a2a, "ring_fwd": (ring - 1) * kv, "ring_bwd": 2 * (ring - 1) * kv}
+
+
+def _attention_balance(S: int, H: int, ring: int, uly: int) -> float:
+    """Max over ranks of the score entries (queries × keys × heads) a rank computes, over the ideal S·S·H / N: 1.0 is
+    balanced; Ulysses with fewer heads than ranks leaves ranks idle and loads the others more."""
+    n = ring * uly
+    s, h = _split(S, n), _split(H, uly)
+    work = [sum(s[i * uly : (i + 1) * uly]) * S * h[u] for i in range(ring) for u in range(uly)]
+    return max(work) / (S * S * H / n)
+
+
+def _ring_rank_fn(rank: int, world: int) -> list[dict]:
+    """One attention layer, forward + backward, per (ring, ulysses) layout of `world` ranks and per case, through
+    diffusers' dispatch (native backend; our Ulysses / ring / hybrid attention installed)."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from train.cp import ContextParallelState, install_ulysses_anything_backward
+    from train.cp.ring import install_ring_attention
+
+    install_ulysses_anything_backward()
+    install_ring_attention()
+    records = []
+    for ring, uly in LAYOUTS[world]:
+        mesh = init_device_mesh("cpu", (ring, uly), mesh_dim_names=("ring", "ulysses"))
+        state = ContextParallelState.on_mesh(mesh, scope=f"bench-{ring}x{uly}")
+        for seed, (label, S, H) in enumerate(RING_CASES):
+            q, k, v, dout, _ = _inputs(S, H, None, rank, world, seed)
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            state.stats.reset()
+            out = dispatch_attention_fn(q, k, v, backend=AttentionBackendName.NATIVE, parallel_config=state)
+            fwd = {name: [st.calls, st.bytes_sent] for name, st in state.stats.sites.items()}
+            state.stats.reset()
+            out.backward(dout)
+            bwd = {name: [st.calls, st.bytes_sent] for name, st in state.stats.sites.items()}
+            records.append(dict(layout=(ring, uly), case=label, S=S, H=H, fwd=fwd, bwd=bwd))
+    return records
+
+
+def _ring_merge(per_rank: list[list[dict]]) -> list[dict]:
+    """Bytes summed over ranks (and the largest single rank's); collective counts per rank (the same on every rank)."""
+    merged = []
+    for recs in zip(*per_rank):
+        m = {k: recs[0][k] for k in ("layout", "case", "S", "H")}
+        for phase in ("fwd", "bwd"):
+            calls = {site: c for site, (c, _) in recs[0][phase].items()}
+            assert all({site: c for site, (c, _) in r[phase].items()} == calls for r in recs), (m, phase)
+            m[phase] = {site: [c, sum(r[phase][site][1] for r in recs)] for site, c in calls.items()}
+            m[phase + "_max_rank"] = max(sum(b for _, b in r[phase].values()) for r in recs)
+        merged.append(m)
+    return merged
+
+
+def _ring_rows(world: int, merged: list[dict]) -> list[list]:
+    rows = []
+    for m in merged:
+        ring, uly = m["layout"]
+        mins = _layout_minimum(m["S"], m["H"], ring, uly, 4)
+        row = [world, f"ring {ring} × Ulysses {uly}", m["case"]]
+        total = 0
+        for phase in ("fwd", "bwd"):
+            sites = m[phase]
+            calls = sum(c for c, _ in sites.values())
+            total += calls
+            a2a = sum(b for st, (_, b) in sites.items() if st in A2A_SITES)
+            p2p = sum(b for st, (_, b) in sites.items() if st in RING_SITES)
+            other = sum(b for st, (_, b) in sites.items() if st not in A2A_SITES + RING_SITES)
+            minimum = mins["a2a"] + mins["ring_" + phase]
+            desc = ", ".join(f"{st} {c}" for st, (c, _) in sites.items())
+            row += [f"{calls} ({desc})", fmt_bytes(a2a), fmt_bytes(p2p), fmt_bytes(other),
+                    f"{(a2a + p2p) / minimum:.3f}x"]  # fmt: skip
+        row += [total, f"{_attention_balance(m['S'], m['H'], ring, uly):.2f}"]
+        rows.append(row)
+    return rows
+
+
+def ring_table() -> str:
+    """The ring / hybrid / Ulysses comparison, as printed by `python -m bench.comm` (its second section)."""
+    from tests.distributed import run_distributed
+
+    headers = ["N", "layout", "case", "fwd collectives", "fwd all-to-all", "fwd ring P2P", "fwd other",
+               "fwd payload vs min", "bwd collectives", "bwd all-to-all", "bwd ring P2P", "bwd other",
+               "bwd payload vs min", "collectives per layer", "attention load max/ideal"]  # fmt: skip
+    rows = []
+    for world in sorted(LAYOUTS):
+        rows += _ring_rows(world, _ring_merge(run_distributed(_ring_rank_fn, world)))
+    return table(headers, rows)
+
+
 def main() -> None:
     from tests.distributed import run_distributed
 
@@ -305,6 +417,14 @@ def main() -> None:
             ["N", "model", "shape", "step", "fwd collectives", "fwd bytes", "bwd collectives", "bwd bytes"], model_rows
         )
     )
+    print("\n### Ring and hybrid ring × Ulysses next to Ulysses, same tokens (one attention layer, fwd + bwd)\n")
+    print("Per-rank collective counts; bytes summed over the N ranks (fp32, B=1, head dim 16, no mask). 'all-to-all' "
+          "= Ulysses Q/K/V/O (dO/dQ/dK/dV), inside each Ulysses group (consecutive ranks: one node); 'ring P2P' = K/V "
+          "(and dK/dV) shifts between ring ranks (strided: across nodes); 'other' = size exchanges (ints). 'vs min' = "
+          "(all-to-all + ring) / the layout's minimum: Ulysses exact for its uneven split plus (R-1)|K+V| forward and "
+          "(R-1)(|K+V|+|dK+dV|) backward for the ring. 'attention load' = the busiest rank's score entries (queries x "
+          "keys x heads) over the ideal S*S*H/N.\n")  # fmt: skip
+    print(ring_table())
     print(f"\n(run time {time.perf_counter() - t0:.1f} s)")
 
 

@@ -21,4 +21,4 @@ first, last = lines[:10], lines[-10:]
 mean = lambda xs: sum(x["loss"] for x in xs) / len(xs)
 print(f"loss: first 10 steps {mean(first):.4f} → last 10 steps {mean(last):.4f} ({len(lines)} steps)")
 PY
-echo "metrics: $OUT/metrics.jsonl | wandb (offline): $OUT/wandb | weights: $OUT/transformer"
+echo "metrics: $OUT/metrics.jsonl | report: $OUT/report.md | samples: $OUT/samples/step_*/ | wandb (offline): $OUT/wandb | weights: $OUT/transformer"

@@ -63,3 +63,25 @@ def test_comm_benchmark_meets_the_targets() -> None:
         assert {(m["case"], m["step"]) for m in models} == {(n, s) for n in ("wan", "flux") for s in (1, 2)}
         for m in models:  # per block: qkv + out forward, d_out + d_qkv backward; plus one output gather
             assert set(m["fwd"]) == {"qkv", "out", "gather"} and set(m["bwd"]) == {"d_out", "d_qkv"}, m
+
+
+def test_ring_and_hybrid_comm_meet_the_ring_minimum() -> None:
+    """Issue 13's cost table, from the benchmark's own records (4 ranks): per attention layer, forward + backward,
+    Ulysses 4 issues 5 collectives, hybrid ring 2 × Ulysses 2 issues 9 and ring 4 issues 8 (op level: each with
+    its size exchanges); every layout moves exactly its minimum payload (the ring's K/V and dK/dV travel R-1 hops
+    each); with 2 heads on 4 ranks Ulysses leaves half the ranks idle (busiest rank 2x the ideal), the hybrid not."""
+    from bench.comm import RING_CASES, _attention_balance, _layout_minimum, _ring_merge, _ring_rank_fn
+    from tests.distributed import run_distributed
+
+    merged = _ring_merge(run_distributed(_ring_rank_fn, 4))
+    assert len(merged) == 3 * len(RING_CASES)
+    calls = {}
+    for m in merged:
+        ring, uly = m["layout"]
+        mins = _layout_minimum(m["S"], m["H"], ring, uly, 4)
+        for phase in ("fwd", "bwd"):
+            payload = sum(b for site, (_, b) in m[phase].items() if site not in ("sizes", "ring_sizes"))
+            assert payload == mins["a2a"] + mins["ring_" + phase], (m["layout"], m["case"], phase)
+        calls[m["layout"]] = sum(c for c, _ in m["fwd"].values()) + sum(c for c, _ in m["bwd"].values())
+    assert calls == {(1, 4): 5, (2, 2): 9, (4, 1): 8}
+    assert _attention_balance(61, 2, 1, 4) == 2.0 and _attention_balance(61, 2, 2, 2) < 1.05

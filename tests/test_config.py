@@ -19,6 +19,7 @@ from train.config import (
     Recipe,
     RecipeError,
     SyntheticData,
+    _section_of,
     add_recipe_args,
     load_recipe,
     recipe_from_args,
@@ -284,8 +285,9 @@ def _dotted_keys(cls: type[BaseModel] = Recipe, prefix: str = "") -> list[str]:
     keys = []
     for name, info in cls.model_fields.items():
         keys.append(prefix + name)
-        if _section(info.annotation) is not None:
-            keys += _dotted_keys(_section(info.annotation), f"{prefix}{name}.")
+        sub = _section_of(info.annotation)  # sections and `X | None` ones; a list of sections is one key
+        if sub is not None:
+            keys += _dotted_keys(sub, f"{prefix}{name}.")
     return keys
 
 

@@ -34,15 +34,29 @@ CASES = [
     ("additive_split", 1, 14, 13, 5, 8, "additive_split"),
     ("full_global", 1, 13, 11, 7, 8, "full_global"),
     ("full_query_split", 2, 13, 11, 7, 8, "full_query_split"),
+    # Per-head masks (B, H, Mq, Mk), as LTX's processors expand the text mask: each rank keeps its heads' rows.
+    ("perhead_split", 2, 13, 11, 7, 8, "perhead_split"),
+    ("perhead_split_bool", 2, 11, 13, 7, 8, "perhead_bool_split"),
+    ("perhead_split_heads3", 1, 11, 11, 3, 8, "perhead_split"),  # at CP 4 one rank owns no head
+    ("perhead_global", 2, 13, 9, 7, 8, "perhead_global"),
+    ("perhead_query_split", 1, 13, 11, 7, 8, "perhead_query_split"),
 ]
 # Split key masks ride in the fused Q/K/V all-to-all; only a mask split along queries takes a gather of its own.
-MASK_GATHERS = sum(kind == "full_query_split" for *_, kind in CASES) * 2  # once per dtype
+MASK_GATHERS = sum(str(kind).endswith("query_split") for *_, kind in CASES) * 2  # once per dtype
 
 
-def _make_mask(kind: str | None, B: int, Sq: int, Skv: int, dtype: torch.dtype, gen: torch.Generator):
+def _make_mask(kind: str | None, B: int, H: int, Sq: int, Skv: int, dtype: torch.dtype, gen: torch.Generator):
     """Global mask (what the serial run sees) and the dim along which CP ranks receive it split (None: whole)."""
     if kind is None:
         return None, None
+    if kind.startswith("perhead"):  # a different mask per head, so a rank using another rank's rows would show
+        rows = Sq if kind == "perhead_query_split" else 1
+        keep = torch.rand(B, H, rows, Skv, generator=gen) > 0.4
+        keep[..., 0] = True
+        if kind == "perhead_bool_split":
+            return keep, -1
+        bias = (~keep).to(dtype) * -10000.0  # LTX's additive text bias, in the payload dtype
+        return bias, {"perhead_split": -1, "perhead_global": None, "perhead_query_split": -2}[kind]
     if kind.startswith("keypad"):
         keep = torch.rand(B, Skv, generator=gen) > 0.35
         keep[:, 0] = True  # no fully masked row
@@ -92,7 +106,7 @@ def _attention_cases(rank: int, world: int) -> dict:
             gen = torch.Generator().manual_seed(seed)  # same data on every rank
             q, k, v = (torch.randn(B, S, H, D, generator=gen, dtype=dtype) for S in (Sq, Skv, Skv))
             dout = torch.randn(B, Sq, H, D, generator=gen, dtype=dtype)
-            mask, split = _make_mask(mask_kind, B, Sq, Skv, dtype, gen)
+            mask, split = _make_mask(mask_kind, B, H, Sq, Skv, dtype, gen)
             # Serial reference.
             qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
             ref = _serial(qs, ks, vs, mask)

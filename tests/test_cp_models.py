@@ -24,13 +24,16 @@ from tests.tiny_models import (
     make_loss,
     output_tensors,
 )
+from train.models import get_family
 
 # Relative error per parameter: max|g_cp - g_serial| / max|g_serial|. fp32 CP reorders some sums (different
 # sequence chunks per rank), fp64 shows the math is exact up to rounding.
 TOL = {torch.float32: 2e-5, torch.float64: 1e-10}
 OUT_TOL = {torch.float32: 1e-5, torch.float64: 1e-10}  # absolute, outputs are O(1)
-# Wan's norms and modulation call `.float()`, so an fp64 Wan/ChronoEdit computes partly in fp32.
-FP32_INSIDE = {"wan", "chronoedit"}
+# Wan's norms and modulation call `.float()`, so an fp64 Wan-based model (the Wan variants, ChronoEdit, SkyReels-V2:
+# the same block, FP32LayerNorm and `.float()` casts, and `.float()` before norm_out) computes partly in fp32.
+_WAN_CLASSES = {"WanTransformer3DModel", "ChronoEditTransformer3DModel", "SkyReelsV2Transformer3DModel"}
+FP32_INSIDE = {n for n in FAMILY_NAMES if get_family(n).transformer_class in _WAN_CLASSES}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

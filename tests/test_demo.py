@@ -37,4 +37,8 @@ def test_demo_media_to_cache_to_cp_training(tmp_path: Path) -> None:
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last < first - 0.2, f"the demo loss did not fall: first 10 steps {first:.3f}, last 10 {last:.3f}"
     assert (run / "transformer" / "config.json").exists()
+    # the demo's validation samples (train/validation.py; decoded and compared in tests/test_validation.py) + report
+    samples = {p.relative_to(run / "samples").as_posix() for p in (run / "samples").glob("step_*/*.mp4")}
+    assert samples == {f"step_{s}/{i}.mp4" for s in (0, 50, 100) for i in (0, 1)}
+    assert (run / "report.md").is_file()
     assert json.loads((run / "layout.json").read_text())["gradient_reduction"].startswith("fsdp2: SUM over cp=2")

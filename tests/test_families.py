@@ -117,7 +117,9 @@ def test_unknown_family() -> None:
             fn("sd3")
     with pytest.raises(KeyError):
         family_for_transformer("SD3Transformer2DModel")
-    assert [n for n, s in FAMILIES.items() if not s.text_mask_fed_in_cp] == ["ltx"]
+    # Per-head text masks (LTX) shard under Ulysses since issue 12: every family feeds its text mask under CP but
+    # HunyuanVideo, whose forward orders its key mask [video | text] over the global sequence (all ones under CP).
+    assert [n for n, s in FAMILIES.items() if not s.text_mask_fed_in_cp] == ["hunyuan_video"]
 
 
 def test_tiny_pipeline_is_built_once(tmp_path: Path) -> None:
@@ -216,6 +218,41 @@ def _drive_flux(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
     return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)})
 
 
+def _drive_flux_kontext(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    """The Kontext pipeline given reference latents as its image (it packs them and offsets their ids itself)."""
+    pipe = diffusers.FluxKontextPipeline.from_pretrained(path)
+    step, (b, c, h, w), s = _one_step(pipe, monkeypatch), _recipe_latents("flux_kontext"), pipe.vae_scale_factor
+    reference = torch.randn(b, *tm.tiny_recipe("flux_kontext").data.synthetic.shapes["reference_latents"],
+                            generator=_gen(3))  # fmt: skip
+    batch = _cached_text("flux_kontext", path, BATCH) | {"reference_latents": reference}
+    pipe(image=reference, prompt_embeds=batch["prompt_embeds"], pooled_prompt_embeds=batch["pooled_embeds"],
+         height=h * s, width=w * s, max_area=h * s * w * s, num_inference_steps=1, generator=_gen(SEED),
+         output_type="latent")  # fmt: skip
+    noisy = randn_tensor((b, c, h, w), generator=_gen(SEED))  # prepare_latents' draw, before _pack_latents
+    return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)})
+
+
+def _drive_qwenimage_edit(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    """The edit pipeline given an input image (it resizes and encodes it itself); the cache's reference latents are
+    the family encoder's of the same image."""
+    from PIL import Image
+
+    encoder = get_encoder("qwenimage_edit")
+    encoder.load(str(path))
+    batch = _cached_text("qwenimage_edit", path, BATCH)
+    image = Image.fromarray(torch.randint(0, 256, (24, 40, 3), generator=_gen(3), dtype=torch.uint8).numpy())
+    image.save(path.parent / "qwenimage_edit_reference.png")
+    extra = encoder.load_extra(None, None, None, None, str(path.parent / "qwenimage_edit_reference.png"))
+    reference = encoder.encode_extra(extra, None, "mode", None)["reference_latents"]
+    batch["reference_latents"] = reference.expand(BATCH, *reference.shape)
+    pipe = diffusers.QwenImageEditPipeline.from_pretrained(path, **encoder._components(str(path), None))
+    step, (b, c, _, h, w), s = _one_step(pipe, monkeypatch), _recipe_latents("qwenimage_edit"), pipe.vae_scale_factor
+    pipe(image=[image] * b, prompt_embeds=batch["prompt_embeds"], prompt_embeds_mask=batch["prompt_mask"],
+         height=h * s, width=w * s, num_inference_steps=1, generator=_gen(SEED), output_type="latent")  # fmt: skip
+    noisy = randn_tensor((b, 1, c, h, w), generator=_gen(SEED)).permute(0, 2, 1, 3, 4)  # drawn (B, 1, C, H, W)
+    return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)})
+
+
 def _drive_flux2(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
     batch = _cached_text("flux2", path, BATCH)
     pipe = diffusers.Flux2Pipeline.from_pretrained(path)
@@ -256,20 +293,22 @@ def _drive_wan(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
     return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)}, {"latents": final})
 
 
-def _drive_chronoedit(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+def _image_to_video_step(name: str, path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    """Wan 2.1 I2V-style pipelines (the family's pipeline class): one step on an input image that is frame 0 of the
+    cached clip; condition_latents and image_embeds come from the family encoder."""
     from PIL import Image
 
-    # ChronoEditPipeline generates 5 frames (2 latent frames) unless temporal reasoning is on
-    b, c, f, h, w = BATCH, tiny_config("chronoedit")["out_channels"], 2, 2, 4
-    pipe = diffusers.ChronoEditPipeline.from_pretrained(path)
+    # 5 frames (2 latent frames): what ChronoEditPipeline generates unless temporal reasoning is on
+    b, c, f, h, w = BATCH, tiny_config(name)["out_channels"], 2, 2, 4
+    pipe = getattr(diffusers, get_family(name).pipeline_class).from_pretrained(path)
     s, t = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
     image = torch.randint(0, 256, (3, h * s, w * s), generator=_gen(3), dtype=torch.uint8)
     clip = torch.rand(3, (f - 1) * t + 1, h * s, w * s, generator=_gen(4)) * 2 - 1
     clip[:, 0] = image / 127.5 - 1  # the input image is frame 0
-    encoder = get_encoder("chronoedit")
+    encoder = get_encoder(name)
     encoder.load(str(path))
     media = encoder.encode_media(clip, None, "mode", None)  # condition_latents and image_embeds, as cached
-    batch = _cached_text("chronoedit", path, BATCH, condition_latents=media["condition_latents"],
+    batch = _cached_text(name, path, BATCH, condition_latents=media["condition_latents"],
                          image_embeds=media["image_embeds"])  # fmt: skip
     step = _one_step(pipe, monkeypatch)
     noisy = torch.randn(b, c, f, h, w, generator=_gen(SEED))
@@ -277,6 +316,96 @@ def _drive_chronoedit(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineSt
                  latents=noisy, height=h * s, width=w * s, num_frames=(f - 1) * t + 1, guidance_scale=1.0,
                  num_inference_steps=1, output_type="latent").frames  # fmt: skip
     return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)}, {"latents": final})
+
+
+def _drive_chronoedit(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    return _image_to_video_step("chronoedit", path, monkeypatch)
+
+
+def _drive_wan_i2v(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    return _image_to_video_step("wan_i2v", path, monkeypatch)
+
+
+def _drive_wan22_ti2v(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    """WanImageToVideoPipeline with expand_timesteps: the cached latents' frame 0 (the family encoder's) is the image
+    the pipeline conditions on, kept clean in the noisy latents as the trainer keeps it."""
+    from PIL import Image
+
+    b, c, f, h, w = BATCH, tiny_config("wan22_ti2v")["out_channels"], 2, 2, 4
+    pipe = diffusers.WanImageToVideoPipeline.from_pretrained(path)  # the folder is a WanPipeline's, as released
+    s, t = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
+    image = torch.randint(0, 256, (3, h * s, w * s), generator=_gen(3), dtype=torch.uint8)
+    clip = torch.rand(3, (f - 1) * t + 1, h * s, w * s, generator=_gen(4)) * 2 - 1
+    clip[:, 0] = image / 127.5 - 1
+    encoder = get_encoder("wan22_ti2v")
+    encoder.load(str(path))
+    latents = encoder.encode_media(clip, None, "mode", None)["latents"]
+    batch = _cached_text("wan22_ti2v", path, BATCH, latents=latents)
+    step = _one_step(pipe, monkeypatch)
+    noisy = torch.randn(b, c, f, h, w, generator=_gen(SEED))
+    noisy[:, :, 0] = batch["latents"][:, :, 0]  # the clean first frame
+    final = pipe(image=Image.fromarray(image.permute(1, 2, 0).numpy()), prompt_embeds=batch["prompt_embeds"],
+                 latents=noisy, height=h * s, width=w * s, num_frames=(f - 1) * t + 1, guidance_scale=1.0,
+                 num_inference_steps=1, output_type="latent").frames  # fmt: skip
+    return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)}, {"latents": final})
+
+
+def _drive_wan22(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    """WanPipeline with two experts: the step's sigma is below boundary_ratio, so the low-noise expert runs it."""
+    batch = _cached_text("wan22", path, BATCH)
+    pipe = diffusers.WanPipeline.from_pretrained(path)
+    step = _Step(monkeypatch, pipe.transformer_2)  # transformer (high noise) must not run: one call of this one
+    step.force_sigmas(pipe.scheduler, [SIGMA])
+    b, c, f, h, w = _recipe_latents("wan22")
+    s, t = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
+    noisy = torch.randn(b, c, f, h, w, generator=_gen(SEED))
+    final = pipe(prompt_embeds=batch["prompt_embeds"], latents=noisy, height=h * s, width=w * s,
+                 num_frames=(f - 1) * t + 1, guidance_scale=1.0, num_inference_steps=1,
+                 output_type="latent").frames  # fmt: skip
+    assert float(_sigma(pipe.scheduler, 1)) < pipe.config.boundary_ratio
+    return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)}, {"latents": final})
+
+
+def _drive_skyreels_v2(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    """SkyReelsV2DiffusionForcingPipeline, asynchronous (ar_step=1, one frame per block), stopped after its first
+    transformer call: frame 0 at the step's timestep, the later frames at generate_timestep_matrix's not-started 999,
+    a non-decreasing per-frame (B, F) timestep as the family trains. Its step matrix holds int64 timesteps (UniPC
+    truncates sigma * 1000), so the schedule starts where the shifted sigma is 0.875 (7/8: sigma * 1000 is an integer
+    in float32 too), and the captured timestep is compared as float32: the transformer's sinusoidal embedding casts it
+    to float first, so the same integers are the same input. One sample: with two, the pipeline's own transformer
+    call fails (its forward adds the per-sample fps projection repeated per frame, (F * B, 6, D), to the timestep
+    projection (B, F, 6, D); build_inputs passes one fps index for a batch that shares it)."""
+    batch = _cached_text("skyreels_v2", path, 1)
+    pipe = diffusers.SkyReelsV2DiffusionForcingPipeline.from_pretrained(path)
+    step, (_, c, f, h, w), b = _Step(monkeypatch, pipe.transformer), _recipe_latents("skyreels_v2"), 1
+    shift = pipe.scheduler.config.flow_shift
+    # UniPC takes an array; the per-frame schedulers are deep copies made after this set_timesteps (their own
+    # set_timesteps, the patched function deep-copied as is, resets this one to the same sigmas)
+    step.force_sigmas(pipe.scheduler, np.array([0.875 / (shift - (shift - 1) * 0.875)]))
+    s, t = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
+
+    def stop(pipe, i, timestep, tensors):  # the later frames would each take further calls
+        pipe._interrupt = True
+        return {}
+
+    # no `latents=`: its prepare_latents returns them alone where __call__ unpacks four values (diffusers 0.42.1)
+    final = pipe(prompt=None, prompt_embeds=batch["prompt_embeds"], height=h * s, width=w * s,
+                 num_frames=(f - 1) * t + 1, guidance_scale=1.0, num_inference_steps=1, ar_step=1,
+                 generator=_gen(SEED), callback_on_step_end=stop, output_type="latent").frames  # fmt: skip
+    noisy = randn_tensor((b, c, f, h, w), generator=_gen(SEED))  # prepare_latents' draw
+    sigma = float(pipe.scheduler.sigmas[0])
+    sigmas = torch.full((b, 1, f, 1, 1), 0.999)
+    sigmas[:, :, 0] = sigma
+    run = step.result(batch, {"latents": noisy}, {"latents": sigmas})
+    timestep = run.kwargs["timestep"]
+    assert timestep.dtype == torch.int64 and timestep.tolist() == [[round(sigma * 1000)] + [999] * (f - 1)] * b
+    run.kwargs["timestep"] = timestep.float()
+    # Only frame 0 was stepped (UniPC's one first-order step to sigma 0: x0 = x - sigma * v); the later frames are
+    # unchanged, so the generic per-frame Euler check (which steps every frame) does not apply: checked here.
+    pred = get_family("skyreels_v2").predictions(run.out, {"latents": noisy.shape}, model_config=run.config)["latents"]
+    torch.testing.assert_close(final[:, :, 0], noisy[:, :, 0] - sigma * pred[:, :, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final[:, :, 1:], noisy[:, :, 1:], rtol=0, atol=0)
+    return run
 
 
 def _drive_ltx(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
@@ -290,6 +419,64 @@ def _drive_ltx(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
          generator=_gen(SEED), output_type="latent")  # fmt: skip
     noisy = randn_tensor((b, c, f, h, w), generator=_gen(SEED))  # prepare_latents' draw, before _pack_latents
     return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)})
+
+
+def _drive_ltx_i2v(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    """LTXImageToVideoPipeline: the cached latents' frame 0 (the family encoder's) is the image the pipeline conditions
+    on, kept clean in the noisy latents as the trainer keeps it; per-token timesteps; only frames 1.. stepped."""
+    from PIL import Image
+
+    pipe = diffusers.LTXImageToVideoPipeline.from_pretrained(path)
+    b, c, f, h, w = BATCH, pipe.transformer.config.in_channels, 2, 1, 2
+    s, t = pipe.vae_spatial_compression_ratio, pipe.vae_temporal_compression_ratio
+    image = torch.randint(0, 256, (3, h * s, w * s), generator=_gen(3), dtype=torch.uint8)
+    clip = torch.rand(3, (f - 1) * t + 1, h * s, w * s, generator=_gen(4)) * 2 - 1
+    clip[:, 0] = image / 127.5 - 1
+    encoder = get_encoder("ltx_i2v")
+    encoder.load(str(path))
+    latents = encoder.encode_media(clip, None, "mode", 24.0)["latents"]
+    batch = _cached_text("ltx_i2v", path, BATCH, latents=latents, frame_rate=torch.tensor(24.0))
+    assert not batch["prompt_mask"].all()  # a padded mask reaches the transformer
+    step = _one_step(pipe, monkeypatch)
+    noisy = torch.randn(b, c, f, h, w, generator=_gen(SEED))
+    noisy[:, :, 0] = batch["latents"][:, :, 0]  # the clean first frame
+    final = pipe(image=Image.fromarray(image.permute(1, 2, 0).numpy()), prompt_embeds=batch["prompt_embeds"],
+                 prompt_attention_mask=batch["prompt_mask"], latents=pipe._pack_latents(noisy), height=h * s,
+                 width=w * s, num_frames=(f - 1) * t + 1, frame_rate=24, guidance_scale=1.0, num_inference_steps=1,
+                 output_type="latent").frames  # fmt: skip
+    final = pipe._unpack_latents(final, f, h, w)
+    return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)}, {"latents": final})
+
+
+def _drive_hunyuan_video(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    from train.models.hunyuan_video.spec import GUIDANCE_SCALE
+
+    batch = _cached_text("hunyuan_video", path, BATCH)
+    assert not batch["prompt_mask"].all()  # a padded mask reaches the transformer
+    pipe = diffusers.HunyuanVideoPipeline.from_pretrained(path)
+    step, (b, c, f, h, w) = _one_step(pipe, monkeypatch), _recipe_latents("hunyuan_video")
+    s, t = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
+    noisy = torch.randn(b, c, f, h, w, generator=_gen(SEED))  # the pipeline takes latents in the cache layout
+    final = pipe(prompt_embeds=batch["prompt_embeds"], pooled_prompt_embeds=batch["pooled_embeds"],
+                 prompt_attention_mask=batch["prompt_mask"], latents=noisy, height=h * s, width=w * s,
+                 num_frames=(f - 1) * t + 1, guidance_scale=GUIDANCE_SCALE, num_inference_steps=1,
+                 output_type="latent").frames  # fmt: skip
+    return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)}, {"latents": final})
+
+
+def _drive_hunyuan_video15(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    batch = _cached_text("hunyuan_video15", path, BATCH)
+    assert not batch["prompt_mask"].all()  # a padded mask reaches the transformer
+    pipe = diffusers.HunyuanVideo15Pipeline.from_pretrained(path)
+    pipe.guider = pipe.guider.new(guidance_scale=1.0)  # CFG off: the one conditional transformer call per step
+    step, (b, c, f, h, w) = _one_step(pipe, monkeypatch), _recipe_latents("hunyuan_video15")
+    s, t = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
+    noisy = torch.randn(b, c, f, h, w, generator=_gen(SEED))  # the pipeline takes latents in the cache layout
+    final = pipe(prompt_embeds=batch["prompt_embeds"], prompt_embeds_mask=batch["prompt_mask"],
+                 prompt_embeds_2=batch["byt5_embeds"], prompt_embeds_mask_2=batch["byt5_mask"], latents=noisy,
+                 height=h * s, width=w * s, num_frames=(f - 1) * t + 1, num_inference_steps=1,
+                 output_type="latent").frames  # fmt: skip
+    return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)}, {"latents": final})
 
 
 def _drive_minimax_h3(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
@@ -341,14 +528,17 @@ def test_forward_kwargs_match_the_pipeline_step(name: str, tiny_pipelines, monke
     assert name in PIPELINE_DRIVERS, f"tests/test_families.py: add _drive_{name} (how its pipeline runs one step)"
     run = PIPELINE_DRIVERS[name](tiny_pipelines(name), monkeypatch)
     spec = get_family(name)
-    assert float(run.sigmas["latents"][0]) not in (0.0, 1.0)  # a step where the timestep convention shows
-    ours = spec.forward_kwargs(run.batch, run.noisy, run.sigmas, model_config=run.config)
+    assert float(run.sigmas["latents"].flatten()[0]) not in (0.0, 1.0)  # a step where the timestep convention shows
+    # clean conditioning (Wan 2.2 TI2V's first frame): per-element sigmas, 0 there, as the trainer passes them
+    cond = spec.conditioning(run.batch, run.noisy["latents"])
+    element = {**run.sigmas, "latents": objective.condition_sigmas(run.sigmas["latents"], cond)}
+    ours = spec.forward_kwargs(run.batch, run.noisy, element, model_config=run.config)
     _assert_kwargs_equal(ours, run.kwargs, name)
     preds = spec.predictions(run.out, {s: x.shape for s, x in run.noisy.items()}, model_config=run.config)
     assert {s: p.shape for s, p in preds.items()} == {s: x.shape for s, x in run.noisy.items()}
     if run.final is not None:  # one Euler step from sigma to 0: x0 = x_sigma - sigma * (noise - x0) in our convention
         for s, x in run.noisy.items():
-            sigma = run.sigmas[s].view(-1, *[1] * (x.ndim - 1))
+            sigma = element[s] if element[s].ndim == x.ndim else element[s].view(-1, *[1] * (x.ndim - 1))
             torch.testing.assert_close(run.final[s], x - sigma * preds[s], rtol=1e-5, atol=1e-5)
 
 
@@ -356,18 +546,12 @@ def test_every_family_has_a_pipeline_driver() -> None:
     assert set(PIPELINE_DRIVERS) == set(NAMES)
 
 
-def test_ltx_text_mask_dropped_under_cp() -> None:
-    spec, model, batch, _, sigmas, kw = prepared("ltx", cp=True)
-    assert kw["encoder_attention_mask"] is None
-    # padding beyond the longest prompt of the batch is cut instead (sample 1 keeps every token here)
-    _assert_same(kw["encoder_hidden_states"], batch["prompt_embeds"])
-    batch1 = {k: v[:1] for k, v in batch.items()}  # sample 0 pads its last two tokens
-    kw1 = spec.forward_kwargs(batch1, {"latents": batch1["latents"]}, sigmas["latents"][:1],
-                              model_config=model.config, cp=True)  # fmt: skip
-    assert kw1["encoder_attention_mask"] is None
-    _assert_same(kw1["encoder_hidden_states"], batch1["prompt_embeds"][:, :-2])
-    # Qwen-Image feeds its mask under CP
-    assert prepared("qwenimage", cp=True)[-1]["encoder_hidden_states_mask"] is not None
+def test_ltx_text_mask_fed_under_cp() -> None:
+    # LTX's per-head text mask shards under Ulysses (train/cp/ulysses.py): fed under CP like any other, text uncut.
+    for name, mask_kwarg in (("ltx", "encoder_attention_mask"), ("qwenimage", "encoder_hidden_states_mask")):
+        spec, model, batch, _, sigmas, kw = prepared(name, cp=True)
+        _assert_same(kw[spec.text_kwarg], batch["prompt_embeds"])
+        assert kw[mask_kwarg] is not None and not kw[mask_kwarg].all()
 
 
 def test_qwenimage_drops_an_all_ones_mask() -> None:

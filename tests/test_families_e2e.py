@@ -3,7 +3,7 @@ the trainer under CP 2 from that cache, matching the single-process run step by 
 
 Clip sizes come from the family's own size rules (its encoder's `geometry`, read from the tiny pipeline's configs):
 the smallest valid frame count from 5 up, sides of 32 x 48 rounded up to the spatial multiple; families that denoise
-an audio stream get clips with a soundtrack."""
+an audio stream get clips with a soundtrack, editing families a reference image per item."""
 
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ def test_family_prepares_and_trains_under_cp2(family: str, tmp_path: Path) -> No
     fps = 24.0  # MiniMax-H3's fixed rate; any rate for the others
     media = tmp_path / "media"
     make_media_set(media, num_videos=3 if video else 1, num_images=0 if video else 2, frames=max(frames, 9),
-                   height=height, width=width, fps=fps, audio=sound)  # fmt: skip
+                   height=height, width=width, fps=fps, audio=sound,
+                   references=encoder.needs_reference)  # fmt: skip
     recipe = {
         "model": {"family": family, "pretrained_path": str(pipeline), "dtype": "float32"},
         "data": {"source": str(media), "cache_dir": str(tmp_path / "cache"), "height": height, "width": width,

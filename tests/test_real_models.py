@@ -42,8 +42,19 @@ PUBLISHED_PARAMS = {
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": 1_418_996_800,
     # element count of the safetensors of Wan2.2-T2V-A14B's experts, the same architecture (public loader manifests)
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": 14_288_491_584,
+    # Wan2.1-T2V-1.3B's published count + the fps embedding (2 x 1536) and fps projection (1536 -> 1536 -> 9216, with
+    # biases) of inject_sample_info: 1,418,996,800 + 3,072 + 2,360,832 + 14,164,992 (no published total found)
+    "Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers": 1_435_525_696,
     # Wan2.1-I2V-14B's architecture (SkyReels-V2-I2V-14B's published count); "14B" in the name, 16.4B in fact
     "nvidia/ChronoEdit-14B-Diffusers": 16_394_878_784,
+    # Wan2.1-I2V-14B (480P and 720P share it): ChronoEdit's architecture, SkyReels-V2-I2V-14B's published count
+    "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": 16_394_878_784,
+    "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers": 16_394_878_784,
+    # the hub's safetensors index: total_size 19,999,150,848 B of fp32 = 4,999,787,712 parameters (825 tensors)
+    "Wan-AI/Wan2.2-TI2V-5B-Diffusers": 4_999_787_712,
+    # each expert of Wan2.2-T2V-A14B: Wan2.1-T2V-14B's count (public loader manifests of the experts' safetensors)
+    "Wan-AI/Wan2.2-T2V-A14B-Diffusers": 14_288_491_584,
+    "Wan-AI/Wan2.2-T2V-A14B-Diffusers/transformer_2": 14_288_491_584,
     # the hub's safetensors total, as model registries list it
     "black-forest-labs/FLUX.1-dev": 11_901_408_320,
     # "32.2B parameter total" of public FLUX.2 analyses
@@ -52,6 +63,16 @@ PUBLISHED_PARAMS = {
     "Lightricks/LTX-Video": 1_923_385_472,
     # the hub's safetensors total (40.86 GB of bf16 shards)
     "Qwen/Qwen-Image": 20_430_401_088,
+    # the Qwen-Image 20B transformer (Qwen-Image-Edit is trained from it; the same config)
+    "Qwen/Qwen-Image-Edit": 20_430_401_088,
+    # the FLUX.1-dev 12B transformer (the same config; the hub's safetensors total is FLUX.1-dev's)
+    "black-forest-labs/FLUX.1-Kontext-dev": 11_901_408_320,
+    # a public component registry that counts the hub's 6 transformer shards of hunyuanvideo-community/HunyuanVideo
+    # (the safetensors index's total_size, bf16 bytes = 2 x this, was not found in the stored sources)
+    "hunyuanvideo-community/HunyuanVideo": 12_821_012_544,
+    # public model catalogs' totalParams of hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v (and 720p_t2v),
+    # the count the HunyuanVideo 1.5 technical report rounds to 8.3B
+    "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v": 8_326_608_160,
     # the hub's num_parameters of MiniMaxAI/MiniMax-H3
     "MiniMaxAI/MiniMax-H3": 33_122_992_896,
 }

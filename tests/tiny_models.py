@@ -9,8 +9,9 @@ shapes and batch size of the family's tiny recipe (``recipes/tiny/<family>.yaml`
 and the recipes' shapes make every token count that CP splits uneven for 2, 3 and 4 (``tests/test_tiny_models.py``
 checks it on the tensors the CP plan splits).
 
-Guard models (Helios, LTX-2): diffusers transformers whose CP training is refused, not families; their tiny configs
-and inputs are written here.
+Guard models (Helios): diffusers transformers whose CP training is refused, not families. LTX-2 is not a family
+either but trains under CP with its text masks (tests/test_ltx_variants.py). Their tiny configs and inputs are written
+here.
 
 Usage::
 
@@ -25,9 +26,7 @@ stream) are frozen by :func:`build_model`; every other parameter gets a gradient
 
 from __future__ import annotations
 
-import functools
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,80 +36,26 @@ from diffusers.models.modeling_utils import ModelMixin
 from diffusers.utils import BaseOutput
 
 from train import objective
-from train.config import load_recipe
-from train.data.synthetic_latents import SyntheticLatentDataset
+from train.cp.probe import INIT_BIAS_STD, INIT_GAIN, FamilyCase, _padded_masks, family_case, init_weights, tiny_recipe  # noqa: F401,E501
 from train.models import family_module, family_names, get_family
 from train.models import tiny_config as family_tiny_config
-from train.models.spec import FamilySpec
 from train.models.tiny import HEAD_DIM, INNER_DIM, NUM_HEADS, TEXT_DIM
 
 REPO = Path(__file__).resolve().parents[1]
 
 FAMILY_NAMES: tuple[str, ...] = family_names()
 # Models whose CP training is expected to be refused (guard tests): not families, configured here.
-GUARD_MODEL_NAMES: tuple[str, ...] = ("helios", "ltx2")
-ALL_MODEL_NAMES: tuple[str, ...] = FAMILY_NAMES + GUARD_MODEL_NAMES
-
-INIT_GAIN = 1.25  # see build_model()
-INIT_BIAS_STD = 0.05
+GUARD_MODEL_NAMES: tuple[str, ...] = ("helios",)
+# Models that are not families but train under CP in the tests (model-level parity with their text masks).
+TRAINED_MODEL_NAMES: tuple[str, ...] = ("ltx2",)
+OTHER_MODEL_NAMES: tuple[str, ...] = GUARD_MODEL_NAMES + TRAINED_MODEL_NAMES  # configured here, not families
+ALL_MODEL_NAMES: tuple[str, ...] = FAMILY_NAMES + OTHER_MODEL_NAMES
 
 
 # Families -------------------------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def tiny_recipe(name: str):
-    """The family's tiny recipe (recipes/tiny/<family>.yaml), loaded through the one recipe schema."""
-    return load_recipe(REPO / "recipes" / "tiny" / f"{name}.yaml")
-
-
-@dataclass
-class FamilyCase:
-    """One training step's tensors for a family, as the trainer builds them (see the module docstring)."""
-
-    spec: FamilySpec
-    batch: dict[str, torch.Tensor]
-    noise: dict[str, torch.Tensor]
-    sigmas: dict[str, torch.Tensor]
-    noisy: dict[str, torch.Tensor]
-    kwargs: dict[str, Any]
-    condition: torch.Tensor | None = None  # 1 = clean conditioning element of the latents (no loss), or None
-
-    @property
-    def shapes(self) -> dict[str, torch.Size]:
-        return {s: x.shape for s, x in self.noisy.items()}
-
-
-def _padded_masks(batch: dict[str, torch.Tensor]) -> None:
-    """Key-padding masks (1 = keep): sample 0 pads its last 2 tokens, the others none, so masks differ per sample and
-    the text a CP run keeps (cut to the longest unpadded prompt when the mask can't be fed) stays odd: L or L - 2."""
-    for key in [k for k in batch if k.endswith("_mask")]:
-        mask = torch.ones_like(batch[key], dtype=torch.bool)
-        mask[0, -2:] = False
-        batch[key] = mask
-
-
-def family_case(
-    name: str, seed: int = 0, dtype: torch.dtype = torch.float32, *, cp: bool = True, batch_size: int | None = None
-) -> FamilyCase:
-    """A synthetic batch of the family's tiny recipe shapes, noised at sampled sigmas, and its forward kwargs for the
-    tiny transformer (``cp=True``: as the trainer feeds a CP model, e.g. LTX's text mask dropped and the text cut)."""
-    spec, recipe = get_family(name), tiny_recipe(name)
-    size = recipe.train.batch_size if batch_size is None else batch_size
-    data = SyntheticLatentDataset(size, dict(recipe.data.synthetic.shapes), seed=seed, dtype=dtype)
-    items = [data[i] for i in range(size)]
-    batch = {k: torch.stack([item[k] for item in items]) for k in items[0]}
-    _padded_masks(batch)
-    gen = torch.Generator().manual_seed(10_000 + seed)
-    seq_len = spec.image_seq_len(batch["latents"].shape[1:])
-    sigmas = objective.sample_stream_sigmas(size, spec, image_seq_len=seq_len, generator=gen)
-    sigmas = {s: v.to(dtype) for s, v in sigmas.items()}
-    noise = {s: objective.sample_noise(batch[s].shape, generator=gen, dtype=dtype) for s in spec.streams}
-    cond = spec.conditioning(batch, batch["latents"])  # clean conditioning (first frame of image-to-video) or None
-    element = {**sigmas, "latents": objective.condition_sigmas(sigmas["latents"], cond)}
-    noisy = {s: objective.add_noise(batch[s], noise[s], element[s]) for s in spec.streams}
-    kwargs = spec.forward_kwargs(batch, noisy, element, model_config=family_tiny_config(name), cp=cp)
-    return FamilyCase(spec, batch, noise, sigmas, noisy, kwargs, cond)
+# tiny_recipe, FamilyCase and family_case live in train/cp/probe.py (the plan tools build family inputs too).
 
 
 def family_loss(case: FamilyCase, out: Any, model_config: Any) -> torch.Tensor:
@@ -313,17 +258,7 @@ def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) ->
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_class(name)(**config)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):
-                fan_in = module.weight[0].numel()
-                module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * INIT_GAIN / fan_in**0.5)
-                if module.bias is not None:
-                    module.bias.copy_(torch.randn(module.bias.shape, generator=gen) * INIT_BIAS_STD)
-        for param in model.parameters():
-            if not torch.any(param):
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+    init_weights(model, seed)
     frozen = [re.compile(p) for p in frozen_params(name, model.config)]
     for param_name, param in model.named_parameters():
         if any(p.fullmatch(param_name) for p in frozen):
@@ -342,10 +277,9 @@ def build_inputs(
 ) -> dict[str, Any]:
     """Keyword arguments for ``model(**inputs, return_dict=False)``, deterministic from ``seed``.
 
-    A family: ``family_case(...).kwargs``, the kwargs a CP run feeds (LTX: no text mask, text cut to the longest
-    prompt; Qwen-Image keeps its padded mask). ``with_text_mask=True`` gives the non-CP kwargs of a family that has a
-    text mask (LTX: a padded ``encoder_attention_mask``, for the guard tests) and LTX-2's padded masks; other models
-    raise ``ValueError``. Tensors are created on CPU and moved to ``device``.
+    A family: ``family_case(...).kwargs``, the kwargs a CP run feeds (LTX and Qwen-Image keep their padded text
+    masks). ``with_text_mask=True`` gives the non-CP kwargs of a family that has a text mask and LTX-2's padded masks;
+    other models raise ``ValueError``. Tensors are created on CPU and moved to ``device``.
     """
     _check_name(name)
     if name in FAMILY_NAMES:

@@ -34,6 +34,7 @@ from train.errors import UserError
 from train.schema import (
     SchemaError,
     Section,
+    _is_union,
     annotation_of,
     doc,
     dump_yaml,
@@ -59,6 +60,8 @@ __all__ = [
     "RecipeError",
     "SyntheticData",
     "TrainConfig",
+    "ValidationConfig",
+    "ValidationPrompt",
     "add_recipe_args",
     "load_recipe",
     "recipe_from_args",
@@ -178,7 +181,10 @@ class ParallelConfig(Section):
     """Device mesh: dp_replicate x dp_shard x cp must equal the world size."""
 
     cp: Positive = 1
-    """Context-parallel degree: ranks that split each sample's sequence (Ulysses)."""
+    """Context-parallel degree: ranks that split each sample's sequence (ring x Ulysses)."""
+    cp_ring: Positive = 1
+    """Ring-attention degree inside cp (must divide it): Ulysses = cp / cp_ring, each Ulysses group on consecutive ranks
+    (one node), the ring across them (nodes); 1 = Ulysses only. See docs/performance.md for when a ring pays."""
     dp_shard: Annotated[int, AfterValidator(_dp_shard)] = -1
     """Data-parallel ranks that shard parameters (FSDP); -1 = whatever is left of the world size."""
     dp_replicate: Positive = 1
@@ -209,6 +215,11 @@ class ParallelConfig(Section):
         if rep < 1 or cp < 1 or (shard < 1 and shard != -1):
             raise UserError(
                 f"parallel: dp_replicate ({rep}) and cp ({cp}) must be >= 1 and dp_shard ({shard}) >= 1 or -1"
+            )
+        if cp % self.cp_ring:
+            raise UserError(
+                f"parallel: cp_ring ({self.cp_ring}) does not divide cp ({cp}), and cp = ring x Ulysses: choose a "
+                f"cp_ring that divides {cp}, or a cp that is a multiple of {self.cp_ring}"
             )
         if shard == -1:
             if world_size % (rep * cp):
@@ -270,6 +281,10 @@ class TrainConfig(Section):
     """mode: scale of the SD3 mode sampling (0 = uniform)."""
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
     """Per-timestep weight of the flow-matching loss (SD3 weighting schemes)."""
+    frame_sigmas: Literal["shared", "independent", "non_decreasing"] | None = None
+    """Sigmas along the latent frames: shared (one per sample), independent (one per frame) or non_decreasing (per
+    frame, later frames at least as noisy: diffusion forcing); null = the family's default. Per-frame needs a
+    transformer that takes a per-frame timestep (SkyReels-V2: shared for its T2V checkpoints, null for DF ones)."""
     max_bad_steps: Positive = 3
     """Steps in a row with a non-finite loss or gradient norm (each skipped: no update) before the run stops."""
     caption_dropout: float = Field(0.0, ge=0, le=1)
@@ -401,6 +416,51 @@ class CheckpointConfig(Section):
     """Final weights written to output_dir: auto = what was trained (lora adapters or the full transformer)."""
 
 
+class ValidationPrompt(Section):
+    """One validation sample: a prompt and, for the variants that condition on an image, that image."""
+
+    prompt: str
+    """The text prompt."""
+    image: str | None = None
+    """Path of the conditioning image: the first frame of image-to-video variants, the image to edit of editing ones
+    (required there, see the family's encoder `validation_image`); null for text-to-video/image."""
+
+
+class ValidationConfig(Section):
+    """Samples rendered during training by the family's own diffusers pipeline around the training transformer as
+    it is (CP hooks and FSDP shards in place, every rank taking part), written to `output_dir/samples/step_N/<i>.mp4`
+    (video) or `.png` (image) and logged to wandb with the prompt as caption. Training state is untouched: a run with
+    validation has the metrics lines of one without. Needs model.pretrained_path (the VAE and text encoders)."""
+
+    prompts: Annotated[list[ValidationPrompt], Field(min_length=1)]
+    """Samples to render, each a mapping {prompt: ..., image: null or a path}."""
+    every_n_steps: Positive = 100
+    """Render after every this many optimizer steps, and after the last one."""
+    at_start: bool = False
+    """Also render before the first step (step_0: the starting weights, a baseline); not on resume."""
+    num_inference_steps: Positive = 30
+    """Denoising steps of each sample."""
+    guidance_scale: float | None = None
+    """The pipeline's `guidance_scale` (its own meaning: classifier-free guidance for Wan/LTX, the distilled
+    guidance embedding for FLUX); null = the pipeline's default."""
+    negative_prompt: str | None = None
+    """Negative prompt (pipelines that take one); null = the pipeline's default."""
+    height: Positive | None = None
+    """Sample height in pixels; null = data.height."""
+    width: Positive | None = None
+    """Sample width in pixels; null = data.width."""
+    num_frames: Positive | None = None
+    """Frames per video sample; null = data.num_frames (ignored for image families)."""
+    fps: Annotated[float, Field(gt=0)] | None = None
+    """Frame rate of the written mp4; null = data.fps, else 16."""
+    seed: int = 0
+    """Seed of sample i's generator (seed + i), the same at every validation: samples of different steps compare."""
+    offload: bool = True
+    """Keep the VAE and text encoders in host memory between validations (moved to the device for the call)."""
+    save_tensors: bool = False
+    """Also write `<i>.pt`: the pipeline's float output before 8-bit encoding (for exact comparisons)."""
+
+
 class Recipe(Section):
     """A complete training run."""
 
@@ -418,6 +478,8 @@ class Recipe(Section):
     """Metrics logging."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Checkpoints and export."""
+    validation: ValidationConfig | None = None
+    """Validation samples during training; null = none."""
     output_dir: str = "outputs/run"
     """Folder for checkpoints, exported weights and the resolved recipe."""
     name: str | None = None
@@ -455,8 +517,8 @@ def _override_type(parts: list[str]) -> tuple[Any, str | None]:
 
 
 def _section_of(tp: Any) -> type[BaseModel] | None:
-    """The section model of a field annotation (`X` or `X | None`), else None."""
-    for arm in (tp, *getattr(tp, "__args__", ())):
+    """The section model of a field annotation (`X` or `X | None`; not `list[X]`, a list of mappings), else None."""
+    for arm in (tp, *(getattr(tp, "__args__", ()) if _is_union(tp) else ())):
         if isinstance(arm, type) and issubclass(arm, BaseModel):
             return arm
     return None

@@ -278,11 +278,14 @@ def _forward_kwargs(family: str, model: torch.nn.Module, shapes: Mapping[str, li
     from train.data.dataset import collate
     from train.data.synthetic_latents import SyntheticLatentDataset
     from train.models import get_family
+    from train.objective import condition_sigmas
 
     spec = get_family(family)
     batch = collate([SyntheticLatentDataset(1, dict(shapes), 0, dtype)[0]])
     noisy = {s: batch[s] for s in spec.streams}
     sigmas = {s: torch.full((1,), 0.5) for s in spec.streams}
+    cond = spec.conditioning(batch, batch["latents"])  # clean conditioning: per-element sigmas, as the trainer's
+    sigmas["latents"] = condition_sigmas(sigmas["latents"], cond)
     kwargs = spec.forward_kwargs(batch, noisy, sigmas, model_config=model.config)
     latents = {s: batch[s].shape[1:] for s in spec.streams}
     return kwargs, spec.tokens_per_sample(latents, model.config)

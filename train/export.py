@@ -159,6 +159,9 @@ def export_lora(model: torch.nn.Module, pipeline_class: str, out_dir: Path) -> P
     if dist.get_rank() == 0:
         lora = get_peft_model_state_dict(model, state_dict=state)
         pipeline = getattr(diffusers, pipeline_class)
+        if not hasattr(pipeline, "save_lora_weights"):  # no LoRA loader (HunyuanVideo15Pipeline in diffusers 0.42.1):
+            # the same transformer-only file, for `pipe.transformer.load_lora_adapter(dir, prefix="transformer")`
+            pipeline = diffusers.loaders.HunyuanVideoLoraLoaderMixin
         pipeline.save_lora_weights(
             path,
             transformer_lora_layers=lora,

@@ -70,7 +70,9 @@ from train.objective import (
     stream_losses,
 )
 from train.parallel import Mesh, ParallelDims, Parallelized
+from train.report import record_memory, report_at_end
 from train.resume import plan_resume
+from train.validation import Validation, check_validation
 
 
 def init_processes(recipe: Recipe):
@@ -176,8 +178,9 @@ def compute_loss(tr: Trainer, batch: dict, gen: torch.Generator) -> torch.Tensor
     B = x0["latents"].shape[0]
     sigmas = sample_stream_sigmas(B, spec, scheme=t.timestep_sampling, logit_mean=t.logit_mean, logit_std=t.logit_std,
                                   mode_scale=t.mode_scale, image_seq_len=spec.image_seq_len(x0["latents"].shape[1:]),
-                                  sigma_range=tr.sigma_range, generator=gen)  # fmt: skip
-    sigmas = {s: v.to(device) for s, v in sigmas.items()}
+                                  sigma_range=tr.sigma_range, frames=x0["latents"].shape[2],
+                                  frame_sigmas=t.frame_sigmas, generator=gen)  # fmt: skip
+    sigmas = {s: v.to(device) for s, v in sigmas.items()}  # (B,), or (B, 1, F, 1, 1) with per-frame sigmas
     noise = {s: sample_noise(x.shape, generator=gen, dtype=x.dtype, device=device) for s, x in x0.items()}
     cond = spec.conditioning(batch, x0["latents"])  # None for most families
     element = {**sigmas, "latents": condition_sigmas(sigmas["latents"], cond)}  # (B,) or per element
@@ -376,6 +379,7 @@ def parse_args(argv: list[str] | None) -> tuple[Recipe, argparse.Namespace]:
     # (also checked by `preflight` before the imports), the model's config keys and the CP degree against the tokens.
     check_inputs(recipe, int(os.environ.get("WORLD_SIZE", "1")))
     check_model(recipe, family_spec(recipe.model))
+    check_validation(recipe, family_spec(recipe.model))  # prompts, images, pipeline: before the model is built
     return recipe, args
 
 
@@ -386,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     # --- processes, devices, mesh ---------------------------------------------------------------------------------
     accelerator = init_processes(recipe)
     device = accelerator.device
-    dims = ParallelDims(*recipe.parallel.resolve(dist.get_world_size()))
+    dims = ParallelDims(*recipe.parallel.resolve(dist.get_world_size()), ring=recipe.parallel.cp_ring)
     mesh = dims.build(device.type)
     spec = family_spec(recipe.model)  # the family's spec, with the recipe's flow_shift
     amp = autocast_dtype(t.mixed_precision, device)
@@ -405,6 +409,7 @@ def main(argv: list[str] | None = None) -> None:
     memory = startup_check(recipe, dist.get_world_size(), device)
     if dist.get_rank() == 0:
         print(f"memory: {memory}")
+        record_memory(out_dir, recipe, dist.get_world_size(), device.type, memory)  # for the run report
 
     # --- model: meta build → LoRA/full → CP hooks → activation levers → compile → FSDP2 → each rank's shard -------
     model, parallel = build_model(recipe, spec, mesh, device)
@@ -421,6 +426,9 @@ def main(argv: list[str] | None = None) -> None:
     # --- loop -----------------------------------------------------------------------------------------------------
     trainer = Trainer(t, spec, model, params, optimizer, scheduler, parallel, batches, mesh, device, amp,
                       sigma_range=expert_sigma_range(spec, recipe.model))  # fmt: skip
+    # samples from the training transformer as it is (CP + FSDP in place, every rank), state untouched: validation.py
+    validation = Validation(recipe, spec, model, device, amp, metrics, watchdog, cp=dims.cp, start=start)
+    validation.at_step(start)  # validation.at_start: a baseline before the first step
     steps = range(start, t.max_steps)
     if dist.get_rank() == 0 and recipe.logging.progress_bar:
         from tqdm.auto import tqdm
@@ -434,6 +442,7 @@ def main(argv: list[str] | None = None) -> None:
             metrics.log(line)
         if len(trainer.bad.streak) >= t.max_bad_steps:  # no checkpoint: nothing was applied since the last good step
             raise bad_steps_error(trainer.bad.streak)
+        validation.at_step(step + 1)  # when due: samples of this step's weights
         stopped_by = stop.agreed()
         every = recipe.checkpoint.every_n_steps
         if stopped_by or (every and (step + 1) % every == 0):
@@ -456,6 +465,8 @@ def main(argv: list[str] | None = None) -> None:
         export(recipe, spec, model, out_dir)
     dist.barrier()
     watchdog.idle()
+    if dist.get_rank() == 0:  # plots + report.md from the files written; never fails the run (train/report.py)
+        metrics.log_images(report_at_end(out_dir))
     metrics.close()  # ends accelerate's trackers (which may tear the process group down): after the last collective
     if dist.is_initialized():
         dist.destroy_process_group()

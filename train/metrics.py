@@ -29,12 +29,16 @@ class MetricsLogger:
         self.accelerator, self.is_main = accelerator, accelerator.is_main_process
         self.path = output_dir / "metrics.jsonl"
         self.use_wandb = logging_cfg.wandb_mode != "disabled"
+        self.last_step: int | None = None  # the last step logged to wandb by this process
         if self.is_main and self.use_wandb:
             accelerator.init_trackers(
                 logging_cfg.wandb_project,
                 config=run_config,
                 init_kwargs={"wandb": {"mode": logging_cfg.wandb_mode, "dir": str(output_dir), "name": run_name}},
             )
+            run = accelerator.get_tracker("wandb", unwrap=True)
+            run.define_metric("step")  # charts against the optimizer step (also the end-of-run report's images)
+            run.define_metric("*", step_metric="step")
 
     def log(self, metrics: dict[str, Any], resumed_from: int | None = None) -> None:
         if not self.is_main:
@@ -42,7 +46,26 @@ class MetricsLogger:
         with self.path.open("a") as f:
             f.write(json.dumps(metrics) + "\n")
         if self.use_wandb:
-            self.accelerator.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+            self.accelerator.log(metrics, step=metrics["step"])
+            self.last_step = metrics["step"]
+
+    def log_images(self, paths: list[Path]) -> None:
+        """The report's charts (train/report.py) as wandb images under `report/<name>`, at the last logged step."""
+        if self.is_main and self.use_wandb and paths and self.last_step is not None:
+            import wandb
+
+            images = {f"report/{p.stem}": wandb.Image(str(p), caption=p.stem) for p in paths}
+            self.accelerator.log({"step": self.last_step, **images}, step=self.last_step)
+
+    def log_media(self, step: int, items: list[tuple[Path, str]]) -> None:
+        """Validation samples (train/validation.py) under `validation/<i>` at `step`: mp4 as wandb.Video, images as
+        wandb.Image, each with its prompt as caption."""
+        if self.is_main and self.use_wandb and items:
+            import wandb
+
+            media = {f"validation/{i}": wandb.Video(str(p), caption=text, format="mp4") if p.suffix == ".mp4"
+                     else wandb.Image(str(p), caption=text) for i, (p, text) in enumerate(items)}  # fmt: skip
+            self.accelerator.log({"step": step, **media}, step=step)
 
     def truncate_after(self, step: int) -> None:
         """On resume, drop lines of steps after the checkpoint (they will be logged again, identically)."""

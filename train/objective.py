@@ -28,7 +28,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
-from .models.spec import FamilySpec, ShiftSpec
+from .models.spec import PRIMARY_STREAM, FamilySpec, ShiftSpec
 
 SamplingScheme = Literal["logit_normal", "uniform", "mode"]
 WeightingScheme = Literal["none", "sigma_sqrt", "cosmap"]
@@ -93,26 +93,43 @@ def sample_stream_sigmas(
     mode_scale: float = 1.29,
     image_seq_len: int | None = None,
     sigma_range: tuple[float, float] | None = None,
+    frames: int | None = None,
+    frame_sigmas: str | None = None,
     generator: torch.Generator,
     device: torch.device | str | None = None,
 ) -> dict[str, torch.Tensor]:
     """Sigmas (B,) per stream of ``spec`` (``"latents"`` first), all from ONE base draw through each stream's shift.
+
+    Per-frame sigmas (``frame_sigmas``, default ``spec.frame_sigmas``; ``frames``: the primary latents' frame count):
+    the primary stream gets (B, 1, F, 1, 1) from B * F base draws (sorted along F for ``"non_decreasing"``), the
+    other streams keep (B,) from the first frame's draw. CP peers seeded alike draw identical values.
 
     Families with ``shared_timestep`` draw one base value for the whole batch. The generator is advanced identically
     whatever the family's streams are. ``sigma_range`` (lo, hi): the primary stream's sigmas must fall in it (one expert
     of a mixture, e.g. Wan 2.2 A14B): the base draw is mapped linearly onto the preimage of the range under the shift,
     so the density keeps its shape inside the range and nothing is drawn outside it.
     """
+    per_frame = (frame_sigmas or spec.frame_sigmas) != "shared" and frames is not None  # no frame count: (B,)
+    if per_frame and spec.frame_sigmas == "shared":
+        from train.errors import UserError
+
+        raise UserError(f"train.frame_sigmas: {frame_sigmas} needs a transformer that takes one timestep per latent "
+                        f"frame, and {spec.name}'s takes one per sample; set train.frame_sigmas: null")  # fmt: skip
     draws = 1 if spec.shared_timestep else batch_size
     u = sample_base(
-        draws, scheme=scheme, logit_mean=logit_mean, logit_std=logit_std, mode_scale=mode_scale, generator=generator
-    ).expand(batch_size)
+        draws * (frames if per_frame else 1), scheme=scheme, logit_mean=logit_mean, logit_std=logit_std,
+        mode_scale=mode_scale, generator=generator,
+    ).reshape(draws, -1).expand(batch_size, -1)  # fmt: skip
+    if per_frame and (frame_sigmas or spec.frame_sigmas) == "non_decreasing":
+        u = u.sort(dim=1).values  # the shift is monotonic: sorted base draws give non-decreasing sigmas
+    u = u.reshape(batch_size, 1, -1, 1, 1) if per_frame else u[:, 0]
     if sigma_range is not None:
         lo, hi = (unshift_sigma(s, spec.stream_shift(), image_seq_len) for s in sigma_range)
         u = lo + (hi - lo) * u
     out = {}
     for stream in spec.streams:
-        sigmas = shift_sigmas(u, spec.stream_shift(stream), image_seq_len).clamp(SIGMA_EPS, 1.0 - SIGMA_EPS)
+        base = u if stream == PRIMARY_STREAM or not per_frame else u[:, 0, 0, 0, 0]
+        sigmas = shift_sigmas(base, spec.stream_shift(stream), image_seq_len).clamp(SIGMA_EPS, 1.0 - SIGMA_EPS)
         out[stream] = sigmas.contiguous().to(device if device is not None else sigmas.device)
     return out
 
@@ -189,6 +206,8 @@ def flow_matching_loss(
     if pred.shape != target.shape:
         raise ValueError(f"prediction {tuple(pred.shape)} and target {tuple(target.shape)} differ in shape")
     err = (pred.float() - target.float()).pow(2)
+    if weights is not None and weights.ndim > 1:  # per element (per-frame sigmas): weight each element, then mean
+        err, weights = err * weights.to(device=err.device, dtype=err.dtype), None
     if keep is None:
         per_sample = err.reshape(pred.shape[0], -1).mean(dim=1)
     else:

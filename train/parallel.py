@@ -1,8 +1,10 @@
 """The degrees of parallelism, the device mesh, and the one place where parallelism is applied to the model.
 
-Mesh dims, outermost first: ("dp_replicate", "dp_shard", "ring", "ulysses"). CP is Ulysses only (ring = 1), so CP
-groups are `cp` consecutive ranks: the fastest links carry the per-layer all-to-alls. FSDP2 shards over dp_shard×cp
-(CP ranks hold the same parameters, so sharding over them too saves memory) and replicates over dp_replicate.
+Mesh dims, outermost first: ("dp_replicate", "dp_shard", "ring", "ulysses"), cp = ring × ulysses. A CP group is `cp`
+consecutive ranks, and inside it rank = ring index × ulysses + Ulysses index: each Ulysses group is `ulysses`
+consecutive ranks (one node: its per-layer all-to-alls stay on the fastest links) and each ring group strides across
+them (its point-to-point shifts cross nodes). FSDP2 shards over dp_shard×cp (CP ranks hold the same parameters, so
+sharding over them too saves memory) and replicates over dp_replicate.
 """
 
 from __future__ import annotations
@@ -24,6 +26,15 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     cp: int
+    ring: int = 1  # ring degree inside cp (recipe parallel.cp_ring); ulysses = cp // ring
+
+    def __post_init__(self) -> None:
+        if self.ring < 1 or self.cp % self.ring:
+            raise ValueError(f"ring degree {self.ring} must divide cp {self.cp}")
+
+    @property
+    def ulysses(self) -> int:
+        return self.cp // self.ring
 
     @property
     def dp(self) -> int:
@@ -39,12 +50,13 @@ class ParallelDims:
                 f"dp_replicate {self.dp_replicate} × dp_shard {self.dp_shard} × cp {self.cp} = {self.world_size}, "
                 f"but {dist.get_world_size()} processes were launched"
             )
-        shape = (self.dp_replicate, self.dp_shard, 1, self.cp)
+        shape = (self.dp_replicate, self.dp_shard, self.ring, self.ulysses)
         world = init_device_mesh(device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard", "ring", "ulysses"))
         dp = world["dp_replicate", "dp_shard"]._flatten("dp")
+        cp = world["ring", "ulysses"]._flatten("cp")  # the whole CP group: rank = ring index × U + Ulysses index
         shard_cp = world["dp_shard", "ring", "ulysses"]._flatten("dp_shard_cp")
         fsdp = world["dp_replicate", "dp_shard_cp"] if self.dp_replicate > 1 else shard_cp
-        return Mesh(self, world, dp, fsdp)
+        return Mesh(self, world, dp, fsdp, cp)
 
 
 @dataclass(frozen=True)
@@ -53,6 +65,7 @@ class Mesh:
     world: DeviceMesh
     dp: DeviceMesh  # flattened dp_replicate×dp_shard: ranks holding the same CP position in different replicas
     fsdp: DeviceMesh  # what FSDP2 shards (and replicates) over: covers dp×cp
+    cp_flat: DeviceMesh  # flattened ring×ulysses: the ranks that share one sample (gradients SUM over all of them)
 
     @property
     def cp(self) -> DeviceMesh:
@@ -60,11 +73,11 @@ class Mesh:
 
     @property
     def cp_group(self) -> dist.ProcessGroup:
-        return self.world["ulysses"].get_group()
+        return self.cp_flat.get_group()
 
     @property
     def cp_rank(self) -> int:
-        return self.world["ulysses"].get_local_rank()
+        return self.cp_flat.get_local_rank()
 
     @property
     def dp_rank(self) -> int:
@@ -73,7 +86,8 @@ class Mesh:
     def describe(self) -> str:
         d = self.dims
         return (
-            f"mesh dp_replicate={d.dp_replicate} × dp_shard={d.dp_shard} × cp={d.cp} (ring 1 × ulysses {d.cp}) "
+            f"mesh dp_replicate={d.dp_replicate} × dp_shard={d.dp_shard} × cp={d.cp} (ring {d.ring} × ulysses "
+            f"{d.ulysses}) "
             f"= {d.world_size} ranks; this rank: dp {self.dp_rank}, cp {self.cp_rank}"
         )
 
@@ -149,15 +163,16 @@ def parallelize(
 ) -> Parallelized:
     """Apply, in this order (each step needs the previous one in place):
 
-    1. CP hooks (diffusers' split/gather hooks + our trainable Ulysses): they wrap module forwards by name, so they
-       must see the original modules, before checkpoint or FSDP wrappers hide or replace them.
+    1. CP hooks (diffusers' split/gather hooks + our trainable Ulysses / ring attention): they wrap module forwards
+       by name, so they must see the original modules, before checkpoint or FSDP wrappers hide or replace them.
     2. Activation levers, per block: checkpointing (every k-th block; the recompute re-issues the same all-to-alls
        in the same order on every rank) and offload of saved activations to host memory.
     3. torch.compile of each block's (checkpointed) forward: after checkpointing so the recompute is compiled too,
        before FSDP so FSDP's hooks stay outside the compiled region. The CP attention (its all-to-alls and
        backend op, a custom autograd function) is left out of the graph: a graph break at the attention op.
     4. FSDP2: `fully_shard` each block, then the root, over dp×cp with gradient divide factor dp, so gradients are
-       SUMMED over CP and averaged over DP. Without FSDP, a plain all-reduce does the same after backward.
+       SUMMED over CP (every ring and Ulysses rank) and averaged over DP. Without FSDP, a plain all-reduce over the
+       whole CP group does the same after backward.
 
     Returns the gradient reduction in force (its self-check has already passed) and the model's CP state (its plan,
     layout registry and transport; None when cp = 1).
@@ -181,5 +196,5 @@ def parallelize(
         reduction.configure_fsdp(model)
     else:
         reduction = GradReduction("allreduce", mesh.cp_group, dp_group)
-    reduction.self_check()
+    reduction.self_check(cp.cp_group if cp is not None else None)  # SUM over the model's whole ring × Ulysses group
     return Parallelized(reduction, cp)

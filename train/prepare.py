@@ -12,11 +12,12 @@ manifest. What it does per item (rank r of W takes items r, r + W, ...):
     -> samples/<index:06d>.safetensors (temp file + rename, so a killed run never leaves a half-written sample)
 
 Families with sound (MiniMax-H3) also decode the clip's audio track in the loader (`FamilyEncoder.load_extra`) and
-encode it with their audio VAE (`encode_extra`).
+encode it with their audio VAE (`encode_extra`); editing families (Qwen-Image-Edit, FLUX.1 Kontext) load the item's
+reference image (`data.reference_column`) there and encode it as their pipeline does.
 
-Bad items (unreadable/corrupt, too short, too small, no caption, no audio track where the family needs one, NaN/Inf
-from the encoders) are skipped, counted and listed in the manifest; the run fails if they are more than
-`data.max_bad_fraction` of the source. Resumable: items whose sample file exists and is whole are not encoded again
+Bad items (unreadable/corrupt, too short, too small, no caption, no audio track or reference image where the family
+needs one, NaN/Inf from the encoders) are skipped, counted and listed in the manifest; the run fails if they are more
+than `data.max_bad_fraction` of the source. Resumable: items whose sample file exists and is whole are not encoded again
 (their metadata is re-read; a missing, truncated or damaged file is encoded again), and a resumed run must use the same
 settings (prepare_config.json). The manifest records each sample's size, which the trainer checks at startup.
 Latents are sampled from the VAE posterior with a generator seeded by (train.seed, item index) (`data.latent_sample:
@@ -139,6 +140,8 @@ class SourceItem:
     caption: str | None
     name: str
     """How reports name the item: the file relative to the source folder, or `<dataset>[<split>][<row>]`."""
+    reference: Any = None
+    """The item's reference image (data.reference_column: a path, or a datasets cell), None when it has none."""
 
 
 class _Listing:
@@ -170,7 +173,9 @@ def _caption(value: Any) -> str | None:
     return value if isinstance(value, str) and value.strip() else None
 
 
-def _folder_listing(root: Path, meta: Path | None, caption_column: str, media_column: str | None) -> _Listing:
+def _folder_listing(
+    root: Path, meta: Path | None, caption_column: str, media_column: str | None, reference_column: str = "reference"
+) -> _Listing:
     items: list[SourceItem] = []
     if meta is not None:
         rows = _jsonl_rows(meta) if meta.suffix == ".jsonl" else _csv_rows(meta)
@@ -178,8 +183,9 @@ def _folder_listing(root: Path, meta: Path | None, caption_column: str, media_co
             raise PrepareError(f"{meta}: no rows")
         key = _pick_media_key(rows[0].keys(), media_column, str(meta))
         for i, row in enumerate(rows):
-            rel = str(row.get(key) or "")
-            items.append(SourceItem(i, str(root / rel), _caption(row.get(caption_column)), rel or f"row {i}"))
+            rel, ref = str(row.get(key) or ""), row.get(reference_column)
+            ref = str(root / ref) if isinstance(ref, str) and ref else None  # relative to the metadata file
+            items.append(SourceItem(i, str(root / rel), _caption(row.get(caption_column)), rel or f"row {i}", ref))
     else:  # media files with caption sidecars: clip.mp4 + clip.txt (the caption) or clip.json ({caption_column: ...})
         files = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS)
         for i, p in enumerate(files):
@@ -233,7 +239,9 @@ def _csv_rows(meta: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _datasets_listing(name: str, split: str, caption_column: str, media_column: str | None) -> _Listing:
+def _datasets_listing(
+    name: str, split: str, caption_column: str, media_column: str | None, reference_column: str = "reference"
+) -> _Listing:
     import datasets
 
     ds = datasets.load_dataset(name, split=split)
@@ -244,29 +252,38 @@ def _datasets_listing(name: str, split: str, caption_column: str, media_column: 
     if isinstance(feature, (datasets.Image, datasets.Video)):
         # decode=False: rows carry {"path", "bytes"}; PyAV/PIL decode them (datasets' Video() needs torchcodec)
         ds = ds.cast_column(key, type(feature)(decode=False))
+    if isinstance(ds.features.get(reference_column), datasets.Image):
+        ds = ds.cast_column(reference_column, datasets.Image(decode=False))
+    has_reference = reference_column in ds.column_names
     if caption_column not in ds.column_names:
         raise PrepareError(f"dataset {name} [{split}]: no caption column {caption_column!r}; columns {ds.column_names}")
 
     def get(i: int) -> SourceItem:
         row = ds[i]
-        return SourceItem(i, row[key], _caption(row[caption_column]), f"{name}[{split}][{i}]")
+        ref = row[reference_column] if has_reference else None
+        return SourceItem(i, row[key], _caption(row[caption_column]), f"{name}[{split}][{i}]", ref)
 
     return _Listing(len(ds), get)
 
 
 def list_source(
-    source: str, caption_column: str = "text", media_column: str | None = None, split: str = "train"
+    source: str,
+    caption_column: str = "text",
+    media_column: str | None = None,
+    split: str = "train",
+    reference_column: str = "reference",
 ) -> _Listing:
     """The items of `source`: a folder (metadata.jsonl, metadata.csv, or sidecar captions), a metadata file, or a
     `datasets` name/path (load_dataset). Index i is the item's position; sample files are named after it."""
     path = Path(source)
     if path.is_file() and path.suffix in (".jsonl", ".csv"):
-        return _folder_listing(path.parent, path, caption_column, media_column)
+        return _folder_listing(path.parent, path, caption_column, media_column, reference_column)
     if path.is_dir():
         metas = [path / n for n in ("metadata.jsonl", "metadata.csv") if (path / n).is_file()]
         if metas or any(p.suffix.lower() in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS for p in path.rglob("*")):
-            return _folder_listing(path, metas[0] if metas else None, caption_column, media_column)
-    return _datasets_listing(source, split, caption_column, media_column)  # a hub name or a parquet/arrow folder
+            return _folder_listing(path, metas[0] if metas else None, caption_column, media_column, reference_column)
+    # a hub name or a parquet/arrow folder
+    return _datasets_listing(source, split, caption_column, media_column, reference_column)
 
 
 # ---------------------------------------------------------------------------------------------------------- processes
@@ -392,7 +409,7 @@ def _open_cache(run: _Run) -> _Listing:
     """The source's items, after checking a resumed cache's settings and (rank 0) recording ours."""
     data, cache = run.data, run.cache
     _check_fingerprint(cache, run.recipe)
-    listing = list_source(data.source, data.caption_column, data.media_column, data.split)
+    listing = list_source(data.source, data.caption_column, data.media_column, data.split, data.reference_column)
     if len(listing) == 0:
         raise PrepareError(f"{data.source}: no items")
     if run.procs.rank == 0:
@@ -417,7 +434,8 @@ def _load_item(run: _Run, buckets: list[Bucket], item: SourceItem) -> tuple[str,
         info = probe(item.media)
         bucket = choose_bucket(info, buckets, data.fps)
         clip = load_clip(item.media, bucket, data.fps, allow_upscale=data.allow_upscale, info=info)
-        extra = run.encoder.load_extra(item.media, info, bucket, data.fps or info.fps)  # e.g. the soundtrack
+        # e.g. the soundtrack, the reference image of an editing family
+        extra = run.encoder.load_extra(item.media, info, bucket, data.fps or info.fps, item.reference)
         return "ok", (bucket, clip, data.fps or info.fps, extra)
     except BadMediaError as e:
         return "bad", e
@@ -475,7 +493,7 @@ def _encode_item(run: _Run, item: SourceItem, bucket: Bucket, clip: torch.Tensor
         gen = torch.Generator(run.procs.device).manual_seed(item_seed(run.recipe.train.seed, item.index))
     tensors = encoder.encode_media(to_model_input(clip), gen, sample, fps)
     tensors.update(encoder.encode_extra(extra, gen, sample, fps))
-    tensors.update(encoder.encode_text(item.caption, run.text_tokens))
+    tensors.update(encoder.encode_item_text(item.caption, run.text_tokens, extra))
     tensors = _cast(tensors, run.dtype)  # checked after the cast: a value past the cache dtype's range becomes Inf
     if bad := _non_finite(tensors):  # such an item would make the loss NaN at every step that reads it
         raise BadMediaError("non_finite", f"{item.name}: the encoders gave NaN/Inf ({bad})")

@@ -43,6 +43,7 @@ RULES: dict[str, str] = {
     "parallel": APPLY,
     "logging": APPLY,
     "checkpoint": APPLY,
+    "validation": APPLY,  # samples only: no training state
     "output_dir": APPLY,
     "name": APPLY,
 }

@@ -10,6 +10,7 @@ gather hooks, subclassed to record each split in, and gather through, that model
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import os
 from pathlib import Path
@@ -22,6 +23,7 @@ from diffusers.hooks.context_parallel import (
     _CONTEXT_PARALLEL_OUTPUT_HOOK_TEMPLATE,
     ContextParallelGatherHook,
     ContextParallelSplitHook,
+    PartitionAnythingSharder,
     _get_submodule_by_name,
 )
 from diffusers.hooks.hooks import HookRegistry
@@ -37,6 +39,7 @@ from .plans import (
     training_problems,
     validate_plan,
 )
+from .ring import install_ring_attention
 from .state import ContextParallelState, cp_device_type
 from .ulysses import GatherAnything, install_ulysses_anything_backward
 
@@ -61,25 +64,25 @@ def check_tokens(cp: int, spec: Any, shapes: dict[str, dict[str, Any]], model_co
             )
 
 
-def _resolve_mesh(mesh: DeviceMesh | None, degree: int | None) -> DeviceMesh:
+def _resolve_mesh(mesh: DeviceMesh | None, degree: int | None, ring: int) -> DeviceMesh:
     if mesh is not None:
         names = mesh.mesh_dim_names or ()
         if "ring" not in names or "ulysses" not in names:
             raise ValueError(f"the CP mesh needs dims named 'ring' and 'ulysses'; got {names}")
-        if mesh["ring"].size() != 1:
-            raise ValueError(
-                f"only Ulysses CP trains with uneven shapes: the 'ring' dim must be 1, got {mesh['ring'].size()}"
-            )
-        if degree is not None and degree != mesh["ulysses"].size():
-            raise ValueError(f"degree={degree} disagrees with the mesh's 'ulysses' size {mesh['ulysses'].size()}")
+        size = mesh["ring"].size() * mesh["ulysses"].size()
+        if degree is not None and degree != size:
+            raise ValueError(f"degree={degree} disagrees with the mesh's 'ring' x 'ulysses' size {size}")
         return mesh
     world = dist.get_world_size()
     degree = world if degree is None else degree
     if degree < 1 or world % degree:
         raise ValueError(f"CP degree {degree} must divide the world size {world}")
-    # Consecutive ranks form a CP group (fastest interconnect); the leading dim enumerates the CP groups.
+    if ring < 1 or degree % ring:
+        raise ValueError(f"ring degree {ring} must divide the CP degree {degree}")
+    # Consecutive ranks form a CP group (fastest interconnect); the leading dim enumerates the CP groups. Inside one,
+    # rank = ring index x U + Ulysses index: Ulysses groups are consecutive ranks (one node), ring groups stride.
     full = init_device_mesh(
-        cp_device_type(), (world // degree, 1, degree), mesh_dim_names=("cp_groups", "ring", "ulysses")
+        cp_device_type(), (world // degree, ring, degree // ring), mesh_dim_names=("cp_groups", "ring", "ulysses")
     )
     return full["ring", "ulysses"]
 
@@ -144,9 +147,8 @@ def _install_guard(model: torch.nn.Module, state: ContextParallelState, enforce:
         fed = [name for name in spec.per_head_mask_inputs if bound.get(name) is not None]
         if fed:
             raise ValueError(
-                f"{type(module).__name__}'s attention processors turn {fed} into per-head (B, heads, 1, S) masks, "
-                "which Ulysses cannot shard across ranks. Train without the text mask: pass "
-                + ", ".join(f"{n}=None" for n in fed)
+                f"{type(module).__name__}'s plan {spec.path} lists {fed} as masks Ulysses cannot shard "
+                "(per_head_mask_inputs). Train without them: pass " + ", ".join(f"{n}=None" for n in fed)
             )
         if problems:
             raise ValueError(
@@ -179,9 +181,13 @@ class _SplitHook(ContextParallelSplitHook):
         self.layout = state.layout
 
     def _prepare_cp_input(self, x: torch.Tensor, cp_input) -> torch.Tensor:
-        if cp_input.expected_dims is None or x.dim() == cp_input.expected_dims:  # else diffusers leaves x whole
-            self.layout.record(x.size(cp_input.split_dim), self.parallel_config._flattened_mesh.size())
-        return super()._prepare_cp_input(x, cp_input)
+        if cp_input.expected_dims is not None and x.dim() != cp_input.expected_dims:
+            return super()._prepare_cp_input(x, cp_input)  # diffusers warns and leaves x whole
+        # Always the uneven split over the whole CP group: diffusers would split evenly (and assert divisibility)
+        # when neither "anything" flag is set, which is the ring x Ulysses hybrid's case.
+        mesh = self.parallel_config._flattened_mesh
+        self.layout.record(x.size(cp_input.split_dim), mesh.size())
+        return PartitionAnythingSharder.shard_anything(x, cp_input.split_dim, mesh)
 
 
 class _GatherHook(ContextParallelGatherHook):
@@ -224,11 +230,13 @@ def enable_context_parallel(
     *,
     mesh: DeviceMesh | None = None,
     degree: int | None = None,
+    ring: int = 1,
     plan: CPPlanSpec | str | os.PathLike | dict | None = None,
     for_training: bool | None = None,
     transport: str | TorchTransport = "torch",
 ) -> ContextParallelState:
-    """Enable trainable Ulysses-Anything CP on a diffusers `ModelMixin`; returns the model's `ContextParallelState`.
+    """Enable trainable Ulysses-Anything, Ring-Anything or hybrid ring x Ulysses CP on a diffusers `ModelMixin`;
+    returns the model's `ContextParallelState`.
 
     The state is a diffusers `ParallelConfig` (also set as `model._parallel_config`, so `GradReduction.for_model`
     and diffusers read it as theirs) holding everything CP keeps for this model: `.plan`, `.layout` (its layout
@@ -236,9 +244,11 @@ def enable_context_parallel(
 
     Args:
         model: a diffusers transformer. Call this before activation checkpointing, compile and FSDP wrapping.
-        mesh: a DeviceMesh with dims ("ring", "ulysses"), ring of size 1; may be a sub-mesh of a larger mesh.
-            Default: a new mesh whose CP groups are `degree` consecutive ranks.
-        degree: CP degree when no mesh is given (default: the world size).
+        mesh: a DeviceMesh with dims ("ring", "ulysses"); may be a sub-mesh of a larger mesh. Ring 1: Ulysses-
+            Anything; Ulysses 1: Ring-Anything; both > 1: the hybrid (train/cp/ring.py). Default: a new mesh whose CP
+            groups are `degree` consecutive ranks, `ring` x (degree / ring) with Ulysses groups consecutive.
+        degree: CP degree (ring x Ulysses) when no mesh is given (default: the world size).
+        ring: ring degree when no mesh is given (default 1: Ulysses only).
         plan: a plan file path, a loaded `CPPlanSpec`, or a diffusers-format dict (default: the shipped plan for the
             model's class in `cp_plans/`). The plan is validated against the model.
         for_training: True → refuse now if the plan cannot train correctly; None (default) → refuse the first
@@ -257,11 +267,15 @@ def enable_context_parallel(
     problems = training_problems(spec, model)
     if for_training and problems:
         raise ValueError(f"{type(model).__name__} cannot be trained under context parallelism: " + "; ".join(problems))
+    if spec.cp_processors:  # the plan's processor swap (a function of the family's home), before CP collects them
+        module_name, _, function = spec.cp_processors.partition(":")
+        getattr(importlib.import_module(module_name), function)(model)
     processors = _cp_processors(model, spec)
 
     install_ulysses_anything_backward()
-    mesh = _resolve_mesh(mesh, degree)
-    if mesh["ulysses"].size() < 2:
+    install_ring_attention()
+    mesh = _resolve_mesh(mesh, degree, ring)
+    if mesh["ring"].size() * mesh["ulysses"].size() < 2:
         raise ValueError("a CP degree of 1 needs no context parallelism; do not call enable_context_parallel")
     state = ContextParallelState.on_mesh(mesh, transport=transport, plan=spec, problems=tuple(problems),
                                          scope=type(model).__name__)  # fmt: skip
@@ -272,5 +286,7 @@ def enable_context_parallel(
         proc._parallel_config = state
     _install_guard(model, state, enforce=for_training is not False)
     _checkpoint_with_layout_by_default(model, state)
-    _apply_hooks(model, state, spec.diffusers_plan(model))
+    # The plan, then the gathers of paths it also splits (diffusers' lookup expands their wildcards).
+    _apply_hooks(model, state, spec.plan)
+    _apply_hooks(model, state, spec.extra_gathers)
     return state

@@ -9,9 +9,10 @@ touching model code:
     model_class: WanTransformer3DModel   # matched against the model's class or its nearest base class, by name
     training: supported                  # or: unsupported
     reason: null                         # required text when unsupported
-    per_head_mask_inputs: []             # forward() args the processors expand to per-head masks (Ulysses can't shard)
+    per_head_mask_inputs: []             # forward() args whose masks Ulysses can't shard: refused when fed in training
     layout_registry: true                # attention lengths come from the splits (train/cp/layout.py); default false
     local_attention: []                  # module paths whose attention runs on replicated tokens: no CP there
+    cp_processors: null                  # "module:function" called with the model before CP attaches (optional)
     plan:
       rope:                              # a module path
         split_outputs:                   # output index -> spec (ContextParallelInput with split_output=True)
@@ -27,9 +28,11 @@ else diffusers leaves it unsplit (with a warning). The file's schema is `PlanFil
 checks recipes (train/schema.py): unknown keys, wrong types and duplicate keys are errors, all reported together as
 `<file>: <dotted.key>: <problem>` (a PlanError, a UserError: train/errors.py).
 
-A wildcard path may both split and gather (Helios does this around attn1/attn2/ffn). A diffusers plan holds one value
-per key, so the gathers of such paths live in `CPPlanSpec.extra_gathers`, and `CPPlanSpec.diffusers_plan(model)`
-expands them to concrete per-element paths, the way Helios' built-in plan hard-codes `blocks.0..39`.
+A path may both split and gather (Helios does this around attn1/attn2/ffn; SkyReels-V2 around its output projection).
+A diffusers plan holds one value per key, so the gathers of such paths live in `CPPlanSpec.extra_gathers`;
+`enable_context_parallel` applies them after the plan, and `CPPlanSpec.diffusers_plan(model)` expands wildcard ones to
+concrete per-element paths, the way Helios' built-in plan hard-codes `blocks.0..39` (a concrete path that splits and
+gathers has no diffusers spelling).
 """
 
 from __future__ import annotations
@@ -89,6 +92,9 @@ class CPPlanSpec:
     # refiner that runs before the sequence is split): they attend locally on every rank instead of through Ulysses,
     # which would gather N identical copies of the sequence.
     local_attention: tuple[str, ...] = ()
+    # "module:function" called with the model before CP attaches: it swaps in attention processors whose masks CP
+    # can split (e.g. a key-padding mask where the stock processor builds a (B, 1, S, S) mask from local lengths).
+    cp_processors: str | None = None
 
     def diffusers_plan(self, model: torch.nn.Module) -> DiffusersPlan:
         """`plan` plus `extra_gathers` expanded to this model's concrete module paths: what to hand to diffusers."""
@@ -100,8 +106,10 @@ class CPPlanSpec:
             if error is not None:
                 raise ValueError(f"{_display(self.path)}: plan path {path!r}: {error}")
             for concrete, _ in found:
-                if concrete in out:
-                    raise ValueError(f"{_display(self.path)}: plan path {path!r}: {concrete!r} is also a plan key")
+                if concrete in out:  # a concrete path that splits and gathers (SkyReels-V2's proj_out)
+                    raise ValueError(f"{_display(self.path)}: plan path {path!r}: {concrete!r} both splits and "
+                                     "gathers, which a diffusers plan (one value per path) cannot hold; apply it "
+                                     "with train.cp.enable_context_parallel")  # fmt: skip
                 out[concrete] = gather
         return out
 
@@ -235,11 +243,15 @@ class PlanFile(Section):
     reason: str | None = None
     """Why training is unsupported (required then, and only then)."""
     per_head_mask_inputs: list[InputName] = Field(default_factory=list)
-    """forward() arguments the processors expand to per-head masks (Ulysses cannot shard them)."""
+    """forward() arguments whose masks Ulysses cannot shard: a training forward that feeds one is refused. Per-head
+    masks (B, heads, q, k) do shard (each rank keeps its heads' rows) and are not listed; LTX-2 lists its (B, S, S)
+    video self-attention mask."""
     layout_registry: bool = False
     """Attention lengths come from the splits (train/cp/layout.py) instead of a size exchange in every layer."""
     local_attention: list[ModulePath] = Field(default_factory=list)
     """Module paths whose attention runs on replicated tokens: no CP there."""
+    cp_processors: str | None = None
+    """"module:function" called with the model before CP attaches, to swap in processors CP can split."""
     plan: Annotated[dict[ModulePath, PlanEntry], _non_empty("expected a non-empty mapping of module path -> entry")]
     """Module path ("" = the model, one '*' = every element of a ModuleList) -> what is split or gathered there."""
 
@@ -250,12 +262,6 @@ class PlanFile(Section):
             problems.append((("reason",), "'training: unsupported' needs a reason (text)"))
         if self.training == "supported" and self.reason is not None:
             problems.append((("reason",), "only 'training: unsupported' takes a reason; use a YAML comment for notes"))
-        for path, entry in self.plan.items():
-            if entry.split() and entry.gather is not None and "*" not in path:
-                message = (
-                    "a concrete module path cannot both split and gather: a diffusers plan holds one value per path"
-                )
-                problems.append((("plan", path), message))
         report(problems)
         return self
 
@@ -277,6 +283,7 @@ class PlanFile(Section):
             extra_gathers=extra_gathers,
             layout_registry=self.layout_registry,
             local_attention=tuple(self.local_attention),
+            cp_processors=self.cp_processors,
         )
 
 
@@ -574,7 +581,7 @@ def training_problems(spec: CPPlanSpec, model: torch.nn.Module) -> list[str]:
         if entry.gather and _inside_repeated_block(model, concrete) is not None:
             for source in entry.gather_sources:
                 inside.setdefault(source, []).append(concrete)
-        if entry.gather and entry.split:
+        if entry.gather and entry.split and _inside_repeated_block(model, concrete) is not None:
             both.setdefault((entry.split_sources, entry.gather_sources), []).append(concrete)
     for source, concretes in inside.items():
         problems.append(

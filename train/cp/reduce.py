@@ -12,7 +12,10 @@ Three ways to apply it, one rule:
   rejects the PREMUL_SUM that a divide factor ≠ group size would otherwise use).
 
 `GradReduction.self_check()` proves at startup that the installed reduction is SUM over CP and MEAN over DP: a
-one-parameter probe, wrapped the same way, whose local gradient is (cp_rank + 1) × (dp_rank + 1).
+one-parameter probe, wrapped the same way, whose local gradient is (cp_rank + 1) × (dp_rank + 1). With ring × Ulysses
+CP the CP group is the whole ring × Ulysses group (cp_rank = ring index × U + Ulysses index): the probe's expected
+sum cp(cp+1)/2 is reached only when every ring and Ulysses rank is summed; a reduction over the Ulysses (or ring)
+sub-group alone gives a rank-dependent value and fails the check.
 """
 
 from __future__ import annotations
@@ -80,8 +83,9 @@ class GradReduction:
     @classmethod
     def for_model(cls, parallel_config, dp_group: dist.ProcessGroup | None = None) -> GradReduction:
         """Plain all-reduce reduction for a model set up by `enable_context_parallel` (the state it returned; any
-        diffusers `ParallelConfig` with a context-parallel config will do)."""
-        return cls("allreduce", parallel_config.context_parallel_config._ulysses_mesh.get_group(), dp_group)
+        diffusers `ParallelConfig` with a context-parallel config will do). The CP group is the whole ring × Ulysses
+        group (its flattened mesh): every rank of it, ring and Ulysses alike, holds a partial gradient."""
+        return cls("allreduce", parallel_config.context_parallel_config._flattened_mesh.get_group(), dp_group)
 
     def _check_reduce_mesh(self) -> None:
         """Refuse a layout whose reduction cannot equal SUM over cp × MEAN over dp."""
@@ -140,18 +144,23 @@ class GradReduction:
             _all_reduce_flat(grads, self.dp_group, self.dp)
 
     # -- the startup self-check -------------------------------------------------------------------------------------
-    def self_check(self) -> float:
+    def self_check(self, cp_group: dist.ProcessGroup | None = None) -> float:
         """Run a probe through this reduction and confirm SUM over CP, MEAN over DP. Returns the reduced value.
 
         The probe's local gradient is (cp_rank + 1)(dp_rank + 1); the right answer is cp(cp+1)/2 · (dp+1)/2. MEAN over
         CP would give (cp+1)/2 · (dp+1)/2, and a reduction that forgets an axis gives a rank-dependent value.
+        `cp_group`: the ranks whose gradients must be summed, taken from the model rather than from this reduction
+        (the trainer passes the CP state's whole ring × Ulysses group), so a reduction over a sub-group of it (the
+        Ulysses dim alone) fails here; default: this reduction's own CP group.
         """
+        truth = self.cp_group if cp_group is None else cp_group
+        cp = _size(truth)
         device = torch.device("cpu")
         if self.reduce_mesh is not None:
             device = torch.device(self.reduce_mesh.device_type, torch.accelerator.current_device_index()) if (
                 self.reduce_mesh.device_type != "cpu") else device  # fmt: skip
-        local = float((_rank(self.cp_group) + 1) * (_rank(self.dp_group) + 1))
-        expected = self.cp * (self.cp + 1) / 2 * (self.dp + 1) / 2
+        local = float((_rank(truth) + 1) * (_rank(self.dp_group) + 1))
+        expected = cp * (cp + 1) / 2 * (self.dp + 1) / 2
         probe = torch.nn.Linear(1, 1, bias=False, device=device)
         torch.nn.init.ones_(probe.weight)
         x = torch.full((1, 1), local, device=device)
@@ -171,10 +180,12 @@ class GradReduction:
             probe(x).sum().backward()
             got = probe.weight.grad.full_tensor().item()
         if abs(got - expected) > 1e-5 * expected:
-            mean = (self.cp + 1) / 2 * (self.dp + 1) / 2
+            mean = (cp + 1) / 2 * (self.dp + 1) / 2
             hint = " (that is MEAN over CP)" if abs(got - mean) <= 1e-5 * mean else ""
+            if cp != self.cp:
+                hint += f" (the reduction sums over {self.cp} of the {cp} CP ranks)"
             raise RuntimeError(
-                f"gradient reduction self-check failed ({self.mode}, cp={self.cp}, dp={self.dp}): probe gradient "
+                f"gradient reduction self-check failed ({self.mode}, cp={cp}, dp={self.dp}): probe gradient "
                 f"{got} != {expected} expected for SUM over CP and MEAN over DP{hint}"
             )
         return got

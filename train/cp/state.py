@@ -72,13 +72,19 @@ class ContextParallelState(ParallelConfig):
         problems: tuple[str, ...] = (),
         scope: str = "",
     ) -> ContextParallelState:
-        """Ulysses-Anything CP on a ("ring", "ulysses") mesh (ring 1), set up without `ModelMixin.enable_parallelism`
-        (which dies on CPU). Every rank of the mesh calls this together (the transport may self-test on the group).
+        """CP on a ("ring", "ulysses") mesh, set up without `ModelMixin.enable_parallelism` (which dies on CPU).
+        Every rank of the mesh calls this together (the transport may self-test on the group).
+
+        Ring 1: Ulysses-Anything (ulysses.py). Ulysses 1: Ring-Anything (ring.py). Both > 1: the hybrid (ring.py),
+        which diffusers reaches through its unified path; diffusers allows neither "anything" flag there, and needs
+        none: our split hooks always split unevenly (enable.py). Then `setup` fills the config's `_ring_mesh`,
+        `_ulysses_mesh` and `_flattened_mesh` (the whole CP group, rank = ring index × U + Ulysses index).
 
         `transport`: "torch", "symm_mem" (see `select_transport`), or an existing state's transport to share one
         symmetric-memory buffer between models (they then share its stats too)."""
-        cp = ContextParallelConfig(ring_degree=1, ulysses_degree=mesh["ulysses"].size(), ulysses_anything=True,
-                                   mesh=mesh)  # fmt: skip
+        ring, ulysses = mesh["ring"].size(), mesh["ulysses"].size()
+        cp = ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses, ulysses_anything=ring == 1,
+                                   ring_anything=ring > 1 and ulysses == 1, mesh=mesh)  # fmt: skip
         device = local_device(mesh.device_type)
         if not isinstance(transport, TorchTransport):
             transport = select_transport(transport, mesh["ulysses"].get_group(), device)
@@ -93,5 +99,10 @@ class ContextParallelState(ParallelConfig):
 
     @property
     def group(self) -> dist.ProcessGroup:
-        """The Ulysses (CP) process group."""
+        """The Ulysses process group (the whole CP group when ring = 1)."""
         return self.context_parallel_config._ulysses_mesh.get_group()
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup:
+        """The whole CP group, ring × Ulysses ranks: the ranks that share one sample (gradients SUM over it)."""
+        return self.context_parallel_config._flattened_mesh.get_group()

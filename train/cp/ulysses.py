@@ -11,6 +11,12 @@ One all-to-all-v moves Q, K and V together: rank r sends rank j the block (B, s_
 (B, s_i, h_r, D) from every rank i, then concatenates along the sequence: (B, S, h_r, D). The output goes back the
 inverse way. Every all-to-all only permutes elements, so its backward is the inverse all-to-all.
 
+Masks. A mask broadcast over heads (B, 1, Mq, Mk) or per head (B, H, Mq, Mk) (LTX's processors expand the text mask to
+(B, H, 1, S_kv)) reaches the attention in the global layout: its key dim, when split like the keys, rides in the same
+all-to-all (rank r sends rank j its keys of the heads j owns, so a per-head mask arrives with exactly the h_r heads
+this rank attends over); a mask split along queries, or in a dtype the payload cannot carry exactly, is gathered whole
+and then cut to this rank's heads.
+
 Per-model state. The function reads the model's layout registry and transport from the `_parallel_config` diffusers
 passes it: the model's `ContextParallelState` (state.py). With parallelism enabled through diffusers' own API that is
 a plain `ParallelConfig`: then every call exchanges sizes, through a plain transport.
@@ -49,7 +55,18 @@ class _Layout:
     heads: tuple[int, ...]  # heads each rank attends over after the exchange
 
 
-Rider = tuple[torch.Tensor, tuple[int, ...]]  # a 1-D local tensor sent whole to every rank, and its size per rank
+@dataclass(frozen=True)
+class Rider:
+    """Extra 1-D data (in the payload dtype) that travels in an all-to-all: `pieces[j]` goes to rank j, and
+    `sizes[i][j]` is what rank i sends rank j (the same table on every rank, built from exchanged sizes only)."""
+
+    pieces: tuple[torch.Tensor, ...]
+    sizes: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def whole(cls, x: torch.Tensor, sizes: tuple[int, ...]) -> Rider:
+        """`x` sent whole to every rank; rank i's is `sizes[i]` elements."""
+        return cls((x,) * len(sizes), tuple((n,) * len(sizes) for n in sizes))
 
 
 def _max_elems(xs: list[torch.Tensor], seq_sizes: list[tuple[int, ...]], lay: _Layout, riders=()) -> int:
@@ -57,14 +74,13 @@ def _max_elems(xs: list[torch.Tensor], seq_sizes: list[tuple[int, ...]], lay: _L
     the same number on every rank, so fixed-buffer transports decide alike whether it fits."""
     B, H = xs[0].shape[0], sum(lay.heads)
     send = max(
-        sum(B * sizes[i] * H * x.shape[-1] for x, sizes in zip(xs, seq_sizes))
-        + lay.world * sum(n[i] for _, n in riders)
+        sum(B * sizes[i] * H * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) + sum(sum(rd.sizes[i]) for rd in riders)
         for i in range(lay.world)
     )
     recv = max(
-        sum(B * sum(sizes) * lay.heads[i] * x.shape[-1] for x, sizes in zip(xs, seq_sizes))
-        + sum(sum(n) for _, n in riders)
-        for i in range(lay.world)
+        sum(B * sum(sizes) * lay.heads[j] * x.shape[-1] for x, sizes in zip(xs, seq_sizes))
+        + sum(row[j] for rd in riders for row in rd.sizes)
+        for j in range(lay.world)
     )
     return max(send, recv)
 
@@ -80,17 +96,18 @@ def _seq_to_heads(
 ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
     """(B, s_r, H, D_t) per tensor → (B, S_t, h_r, D_t): scatter heads, gather sequence, one all-to-all for all.
 
-    `riders` travel in the same all-to-all, unsplit: every rank gets every rank's rider (returned per rider, one piece
-    per source rank). That is how a split key mask, or each rank's true lengths, travel without a collective of their
-    own."""
+    `riders` travel in the same all-to-all: each rank gets each rank's piece for it (returned per rider, one piece
+    per source rank). That is how a split key mask (per head: only the heads the destination owns), or each rank's
+    true lengths, travel without a collective of their own."""
     r, heads = lay.rank, lay.heads
     h_off = _offsets(list(heads))
     dtype, device = xs[0].dtype, xs[0].device
     B = xs[0].shape[0]
-    ride = sum(n[r] for _, n in riders)
     # Send buffer, ordered by destination rank, then by tensor: one copy of each block straight into place.
     in_splits = [
-        sum(B * sizes[r] * heads[j] * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) + ride for j in range(lay.world)
+        sum(B * sizes[r] * heads[j] * x.shape[-1] for x, sizes in zip(xs, seq_sizes))
+        + sum(rd.sizes[r][j] for rd in riders)
+        for j in range(lay.world)
     ]
     send = torch.empty(sum(in_splits), dtype=dtype, device=device)
     pos = 0
@@ -99,11 +116,13 @@ def _seq_to_heads(
             blk = x[:, :, h_off[j] : h_off[j] + heads[j]]
             send[pos : pos + blk.numel()].view(blk.shape).copy_(blk)
             pos += blk.numel()
-        for rider, _ in riders:
-            send[pos : pos + rider.numel()].copy_(rider)
-            pos += rider.numel()
+        for rd in riders:
+            piece = rd.pieces[j]
+            send[pos : pos + piece.numel()].copy_(piece)
+            pos += piece.numel()
     out_splits = [
-        sum(B * sizes[i] * heads[r] * x.shape[-1] for x, sizes in zip(xs, seq_sizes)) + sum(n[i] for _, n in riders)
+        sum(B * sizes[i] * heads[r] * x.shape[-1] for x, sizes in zip(xs, seq_sizes))
+        + sum(rd.sizes[i][r] for rd in riders)
         for i in range(lay.world)
     ]
     max_elems = _max_elems(xs, seq_sizes, lay, riders)
@@ -118,9 +137,10 @@ def _seq_to_heads(
             n = shape[0] * shape[1] * shape[2] * shape[3]
             pieces[t].append(recv[pos : pos + n].view(shape))
             pos += n
-        for t, (_, n) in enumerate(riders):
-            rode[t].append(recv[pos : pos + n[i]])
-            pos += n[i]
+        for t, rd in enumerate(riders):
+            n = rd.sizes[i][r]
+            rode[t].append(recv[pos : pos + n])
+            pos += n
     return [torch.cat(p, dim=1) for p in pieces], rode
 
 
@@ -157,24 +177,25 @@ def _heads_to_seq(
     return [torch.cat(p, dim=2) for p in pieces]
 
 
-def _normalise_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """Masks as SDPA broadcasts them: (B, 1, Mq, Mk). A per-head mask cannot follow a head scatter: refuse it."""
+def _normalise_mask(mask: torch.Tensor | None, heads: int) -> torch.Tensor | None:
+    """Masks as SDPA broadcasts them: (B, 1, Mq, Mk) for every head, or (B, heads, Mq, Mk) per head."""
     if mask is None:
         return None
     if mask.dim() == 2:  # (B, S_kv) key padding
         return mask[:, None, None, :]
-    if mask.dim() == 4:
-        if mask.shape[1] != 1:
-            raise ValueError(
-                f"Ulysses context parallelism got a per-head attention mask of shape {tuple(mask.shape)} (B, heads, "
-                "q, k). Ulysses scatters heads across ranks but cannot scatter a mask's head dim. Train this model "
-                "without that mask (for LTX/LTX2: pass encoder_attention_mask=None), or use a (B, 1, q, k) mask."
-            )
+    if mask.dim() == 4 and mask.shape[1] in (1, heads):
         return mask
     raise ValueError(
-        f"Ulysses context parallelism supports attention masks of shape (B, S_kv) or (B, 1, S_q|1, S_kv); "
-        f"got {tuple(mask.shape)}."
+        f"Ulysses context parallelism supports attention masks of shape (B, S_kv), (B, 1, S_q|1, S_kv) or per head "
+        f"(B, {heads}, S_q|1, S_kv); got {tuple(mask.shape)}."
     )
+
+
+def _own_heads(mask: torch.Tensor, lay: _Layout, rank: int) -> torch.Tensor:
+    """A per-head mask's rows of the heads `rank` attends over (a mask broadcast over heads stays as it is)."""
+    if mask.shape[1] == 1:
+        return mask
+    return mask.narrow(1, sum(lay.heads[:rank]), lay.heads[rank])
 
 
 def _key_split(lens: list[list[int]], lay: _Layout) -> bool:
@@ -188,7 +209,8 @@ def _query_split(lens: list[list[int]], lay: _Layout) -> bool:
 
 
 def _mask_rider(mask: torch.Tensor | None, lens: list[list[int]], lay: _Layout, dtype: torch.dtype) -> list[Rider]:
-    """A split key mask that can ride in the Q/K/V all-to-all, as (Bm, s_kv, Mq) in the payload dtype; or nothing.
+    """A split key mask that can ride in the Q/K/V all-to-all, in the payload dtype; or nothing. Rank j gets this
+    rank's keys (Bm, Hm_j, Mq, s_kv) of the heads it owns (Hm_j = h_j per head, 1 for a mask broadcast over heads).
 
     Bool masks (0/1 are exact in any float dtype) and masks already in the payload dtype qualify; a mask split on
     queries too, or an additive mask of another dtype (casting would round it), takes a gather of its own."""
@@ -196,15 +218,18 @@ def _mask_rider(mask: torch.Tensor | None, lens: list[list[int]], lay: _Layout, 
         return []
     if mask.dtype != torch.bool and mask.dtype != dtype:
         return []
-    keys = mask[:, 0].transpose(1, 2).to(dtype).contiguous()
-    per_key = keys.shape[0] * keys.shape[2]
-    return [(keys.view(-1), tuple(n * per_key for n in lay.kv_sizes))]
+    Bm, Mq = mask.shape[0], mask.shape[2]
+    hm = [lay.heads[j] if mask.shape[1] > 1 else 1 for j in range(lay.world)]
+    pieces = tuple(_own_heads(mask, lay, j).to(dtype).contiguous().view(-1) for j in range(lay.world))
+    sizes = tuple(tuple(Bm * hm[j] * Mq * n for j in range(lay.world)) for n in lay.kv_sizes)
+    return [Rider(pieces, sizes)]
 
 
 def _mask_keys(mask: torch.Tensor, pieces: list[torch.Tensor], lay: _Layout) -> torch.Tensor:
-    """The rider's pieces back to the key dim: (Bm, S_kv, Mq)."""
+    """The rider's pieces back to the key dim: (Bm, Hm_r, Mq, S_kv), this rank's heads only."""
     Bm, Mq = mask.shape[0], mask.shape[2]
-    return torch.cat([p.view(Bm, n, Mq) for p, n in zip(pieces, lay.kv_sizes)], dim=1)
+    hm = lay.heads[lay.rank] if mask.shape[1] > 1 else 1
+    return torch.cat([p.view(Bm, hm, Mq, n) for p, n in zip(pieces, lay.kv_sizes)], dim=-1)
 
 
 def _encode(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -217,15 +242,16 @@ def _decode(piece: torch.Tensor) -> list[int]:
 
 
 def _assemble_mask(mask, lens: list[list[int]], lay: _Layout, group, transport, keys) -> torch.Tensor | None:
-    """Bring a mask to the global (post all-to-all) layout, deciding from exchanged sizes only: same on all ranks.
-    `keys`: the mask's key dim as it came back from the Q/K/V all-to-all (the rider), if it travelled there."""
+    """Bring a mask to the global (post all-to-all) layout, with this rank's heads only (a per-head mask), deciding
+    from exchanged sizes only: same on all ranks. `keys`: the mask's key dim as it came back from the Q/K/V
+    all-to-all (the rider, already this rank's heads), if it travelled there."""
     if mask is None:
         return None
     mq, mk = [row[2] for row in lens], [row[3] for row in lens]
     s_q, s_kv = sum(lay.q_sizes), sum(lay.kv_sizes)
-    if keys is not None:  # (Bm, S_kv, Mq) → (Bm, 1, Mq, S_kv)
-        full = keys.transpose(1, 2)[:, None]
-        mask = full != 0 if mask.dtype == torch.bool else full
+    own = False  # the mask holds only this rank's heads already
+    if keys is not None:  # (Bm, Hm_r, Mq, S_kv): global keys, own heads
+        mask, own = (keys != 0 if mask.dtype == torch.bool else keys), True
     elif _key_split(lens, lay):
         # Split key padding: concatenate the shards in rank order.
         mask = all_gather_uneven(mask, -1, mk, group, "mask", transport)
@@ -241,7 +267,7 @@ def _assemble_mask(mask, lens: list[list[int]], lay: _Layout, group, transport, 
             f"attention mask query length per rank {mq} matches neither 1, the local query lengths "
             f"{list(lay.q_sizes)} nor the global query length {s_q}"
         )
-    return mask
+    return mask if own else _own_heads(mask, lay, lay.rank)
 
 
 def _pad_seq(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -287,7 +313,7 @@ def _qkv_to_heads(query, key, value, attn_mask, group, world: int, rank: int, la
     header = _encode(values, query.dtype, query.device)
     xs = [_pad_seq(query, q_cap[rank]), _pad_seq(key, kv_cap[rank]), _pad_seq(value, kv_cap[rank])]
     (q, k, v), rode = _seq_to_heads(
-        xs, [q_cap, kv_cap, kv_cap], padded, group, transport, "qkv", [(header, (header.numel(),) * world)]
+        xs, [q_cap, kv_cap, kv_cap], padded, group, transport, "qkv", [Rider.whole(header, (header.numel(),) * world)]
     )
     lens = [_decode(piece) for piece in rode[0]]
     lay = _Layout(rank, world, tuple(r[0] for r in lens), tuple(r[1] for r in lens), heads)
@@ -317,7 +343,7 @@ class UlyssesAnythingAttention(torch.autograd.Function):
                 f"attention dropout {dropout_p} is not supported when training under Ulysses CP: the backward "
                 "recomputes attention and would draw a different dropout mask. Set attention dropout to 0."
             )
-        attn_mask = _normalise_mask(attn_mask)
+        attn_mask = _normalise_mask(attn_mask, query.shape[2])
         return super().apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, *args)
 
     @staticmethod

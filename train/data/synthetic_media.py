@@ -266,7 +266,8 @@ def _write_metadata(root: Path, rows: list[dict], caption_column: str, metadata:
         import csv
 
         with open(root / "metadata.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=["file_name", caption_column, "expect"])
+            fields = ["file_name", caption_column, "expect"] + (["reference"] if "reference" in rows[0] else [])
+            writer = csv.DictWriter(f, fieldnames=fields)
             writer.writeheader()
             writer.writerows(rows)
     else:
@@ -291,13 +292,16 @@ def make_media_set(
     audio: bool = False,
     audio_rate: int = 16000,
     audio_codec: str = "aac",
+    references: bool = False,
 ) -> list[dict]:
     """Write clips, images, bad items and metadata.jsonl (or .csv) under `root`; return the metadata rows.
 
     Good rows come first (videos, then images), bad rows after them in the order given. `sizes`, when set, cycles
     (height, width) over the good items (for bucketing tests). Each row also carries `expect` (the reason prepare
     should report, or "ok"), which the prepare code ignores. `audio=True` gives every clip (good or bad) a stereo
-    track of its pitches (see the module doc), at `audio_rate` Hz in `audio_codec`.
+    track of its pitches (see the module doc), at `audio_rate` Hz in `audio_codec`. `references=True` gives every row a
+    `reference` column (editing families' input image): a still PNG of its own shape on another background, 3/4 the
+    item's size.
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -310,5 +314,11 @@ def make_media_set(
         name = f"clip_{i:03d}{writer.ext}" if is_video else f"image_{i - num_videos:03d}.png"
         rows.append({"file_name": name, caption_column: writer.good(name, is_video, h, w), "expect": "ok"})
     rows += [writer.bad(j, kind, caption_column) for j, kind in enumerate(bad)]
+    if references:
+        for j, row in enumerate(rows):
+            shape, color, _, bg = writer.pick()
+            row["reference"] = f"reference_{j:03d}.png"
+            image = render_clip(shape, color, None, bg, frames=1, height=height * 3 // 4, width=width * 3 // 4)[0]
+            write_image(root / row["reference"], image)
     _write_metadata(root, rows, caption_column, metadata)
     return rows

@@ -94,10 +94,13 @@ def tiny_config(name: str) -> dict[str, Any]:
 def real_configs(name: str) -> dict[str, dict[str, Any]]:
     """The public transformer configs of family ``name``'s real checkpoints, shipped as data in
     ``train/models/<family>/configs/<org>--<repo>[--<subfolder>].json``, keyed by hub id (plus ``/<subfolder>`` when
-    the transformer is not in ``transformer/``)."""
+    the transformer is not in ``transformer/``). A pipeline's ``--model_index.json`` is not a transformer config: see
+    :func:`pipeline_boundary_ratio`."""
     folder = Path(__file__).parent / name / "configs"
     found: dict[str, dict[str, Any]] = {}
     for path in sorted(folder.glob("*.json")):
+        if path.stem.endswith("--model_index"):
+            continue
         org, repo, *sub = path.stem.split("--")
         key = f"{org}/{repo}" + (f"/{sub[0]}" if sub else "")
         found[key] = json.loads(path.read_text())
@@ -141,8 +144,8 @@ def pipeline_boundary_ratio(family: str, pretrained_path: str | None) -> float |
     local = Path(pretrained_path).expanduser() / "model_index.json"
     if local.is_file():
         return json.loads(local.read_text()).get("boundary_ratio")
-    shipped = real_configs(family).get(f"{pretrained_path}/model_index")
-    return None if shipped is None else shipped.get("boundary_ratio")
+    shipped = Path(__file__).parent / family / "configs" / f"{pretrained_path.replace('/', '--')}--model_index.json"
+    return json.loads(shipped.read_text()).get("boundary_ratio") if shipped.is_file() else None
 
 
 def expert_sigma_range(spec: FamilySpec, model: Any) -> tuple[float, float] | None:

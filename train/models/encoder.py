@@ -22,7 +22,7 @@ import torch
 
 from train.data.media import Geometry
 
-__all__ = ["FamilyEncoder", "SampleMode", "mean_std_normalise", "transformer_patch"]
+__all__ = ["FamilyEncoder", "SampleMode", "load_reference_image", "mean_std_normalise", "transformer_patch"]
 
 SampleMode = Literal["sample", "mode"]
 
@@ -32,6 +32,19 @@ def retrieve(encoder_output: Any, generator: torch.Generator | None, mode: Sampl
     from diffusers.pipelines.wan.pipeline_wan_video2video import retrieve_latents
 
     return retrieve_latents(encoder_output, generator=generator, sample_mode="sample" if mode == "sample" else "argmax")
+
+
+def load_reference_image(reference: Any, item: str):
+    """An editing item's reference image as an RGB PIL image, from a path or a datasets {"path", "bytes"} cell; a
+    missing or unreadable one makes the item bad (`no_reference` / `bad_reference`)."""
+    from train.data.media import BadMediaError, _open_image
+
+    if reference is None:
+        raise BadMediaError("no_reference", f"{item}: no reference image (data.reference_column)")
+    try:
+        return _open_image(reference)
+    except BadMediaError as e:
+        raise BadMediaError("bad_reference", e.detail) from None
 
 
 def transformer_patch(config: Mapping[str, Any] | None, key: str, default: Any) -> Any:
@@ -61,6 +74,12 @@ class FamilyEncoder(ABC):
     default_geometry: Geometry
     latent_strides: tuple[int, int, int] = (16, 1, 8)
     """(latent channels, VAE temporal stride, VAE spatial stride) of the cached `latents` at the published VAE."""
+    needs_reference: bool = False
+    """Editing families: every item needs a reference (input) image, read from `data.reference_column` and handed to
+    `load_extra` (an item without one is bad: `no_reference`)."""
+    validation_image: Literal["required", "optional"] | None = None
+    """Validation samples (train/validation.py): the pipeline's `image` argument, the conditioning image (the first
+    frame of image-to-video, the input of editing), is required for every validation prompt, optional, or not taken."""
 
     def __init__(self) -> None:
         self.pipe: Any = None
@@ -140,9 +159,15 @@ class FamilyEncoder(ABC):
         index = pipeline_cls.load_config(pretrained_path, revision=revision)
         skip = {k: None for k in index if k.startswith("transformer") and not k.startswith("_")}
         dtype = {"default": text_dtype, "vae": torch.float32, "image_encoder": torch.float32}
-        self.pipe = pipeline_cls.from_pretrained(pretrained_path, revision=revision, dtype=dtype, **skip)
+        own = self._components(pretrained_path, revision)
+        self.pipe = pipeline_cls.from_pretrained(pretrained_path, revision=revision, dtype=dtype, **skip, **own)
         self.device = torch.device(device)
         self.pipe.to(self.device)
+
+    def _components(self, pretrained_path: str, revision: str | None) -> dict[str, Any]:
+        """Pipeline components the family builds itself from the checkpoint's files, passed to `from_pretrained`
+        (Qwen-Image-Edit: its Qwen2VLProcessor without the video processor, which needs torchvision)."""
+        return {}
 
     # ------------------------------------------------------------------------------------------------ encoding
 
@@ -156,8 +181,9 @@ class FamilyEncoder(ABC):
     ) -> dict[str, torch.Tensor]:
         """latents (and the family's other media tensors) from pixels (3, F, H, W) in [-1, 1]."""
 
-    def load_extra(self, src: Any, info: Any, bucket: Any, fps: float | None) -> Any:
-        """Media the family needs besides the frames (MiniMax-H3: the soundtrack), decoded in prepare's loader
+    def load_extra(self, src: Any, info: Any, bucket: Any, fps: float | None, reference: Any = None) -> Any:
+        """Media the family needs besides the frames (MiniMax-H3: the soundtrack; editing families: the item's
+        `reference` image, a path or a datasets cell, None when the item has none), decoded in prepare's loader
         threads after `load_clip`; may raise BadMediaError. None for the families that need nothing more."""
         return None
 
@@ -166,6 +192,11 @@ class FamilyEncoder(ABC):
     ) -> dict[str, torch.Tensor]:
         """Cache tensors of what `load_extra` returned (after `encode_media`, with the same generator)."""
         return {}
+
+    def encode_item_text(self, caption: str, max_tokens: int | None, extra: Any) -> dict[str, torch.Tensor]:
+        """An item's caption embeddings, given what `load_extra` returned: `encode_text` unless the pipeline encodes
+        the prompt with the item's media (Qwen-Image-Edit: with the reference image)."""
+        return self.encode_text(caption, max_tokens)
 
     def _vae_encode(self, x: torch.Tensor, generator: torch.Generator | None, mode: SampleMode) -> torch.Tensor:
         vae = self.pipe.vae

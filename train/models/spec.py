@@ -140,6 +140,9 @@ class FamilySpec:
     # False only where the family has a text mask that can't be fed under context parallelism (the processor turns it
     # into a per-head mask Ulysses can't shard): the trainer passes ``None`` instead (see forward_kwargs).
     text_mask_fed_in_cp: bool = True
+    # True where the forward needs a mask tensor (HunyuanVideo sums it): where the mask is not fed under CP, the trainer
+    # passes an all-ones mask over the cut text instead of ``None``.
+    text_mask_required: bool = False
     # Forward kwarg that carries the text mask, and the one that carries the text tokens (None: no text mask).
     text_mask_kwarg: str | None = None
     text_kwarg: str = "encoder_hidden_states"
@@ -162,6 +165,12 @@ class FamilySpec:
     # low-noise one. A recipe trains one (model.subfolder); its sigmas are drawn only from that expert's range, split
     # at the pipeline's boundary_ratio (see train.models.expert_sigma_range). Empty: one transformer.
     experts: tuple[str, ...] = ()
+    # How the primary stream's sigmas vary along the latent frames (dim 2 of video latents (B, C, F, H, W)), the
+    # default of recipe key train.frame_sigmas: "shared" = one per sample, (B,); "independent" = one per frame, drawn
+    # independently, (B, 1, F, 1, 1); "non_decreasing" = the same draws sorted along F, later frames at least as noisy
+    # (diffusion forcing: SkyReels-V2 DF). Per-frame sigmas reach build_inputs as per-element timesteps (B, 1, F, 1, 1)
+    # and weight the loss per element. Only families whose transformer takes a per-frame timestep set another value.
+    frame_sigmas: Literal["shared", "independent", "non_decreasing"] = "shared"
 
     def __post_init__(self) -> None:
         if self.latent_kind not in ("image", "video"):
@@ -228,9 +237,10 @@ class FamilySpec:
     ) -> dict[str, Any]:
         """Transformer kwargs for one training step (add ``return_dict=False`` when calling).
 
-        With ``cp=True`` and ``text_mask_fed_in_cp=False`` the text mask is replaced by ``None``; since that would let
-        the model attend to padding tokens, the text is first cut to the longest unpadded prompt of the batch (exact
-        for a batch of one; shorter prompts in a larger batch still see some padding).
+        With ``cp=True`` and ``text_mask_fed_in_cp=False`` the text mask is replaced by ``None`` (all ones where
+        ``text_mask_required``); since that would let the model attend to padding tokens, the text is first cut to the
+        longest unpadded prompt of the batch (exact for a batch of one; shorter prompts in a larger batch still see some
+        padding).
         """
         noisy = _as_streams(noisy_latents)
         missing = [s for s in self.streams if s not in noisy]
@@ -241,7 +251,9 @@ class FamilySpec:
             mask = kwargs.get(self.text_mask_kwarg)
             if mask is not None:
                 kwargs[self.text_kwarg] = trim_text_padding(kwargs[self.text_kwarg], mask)
-            kwargs[self.text_mask_kwarg] = None
+            text = kwargs[self.text_kwarg]
+            ones = None if mask is None else mask.new_ones(text.shape[:2])
+            kwargs[self.text_mask_kwarg] = ones if self.text_mask_required else None
         return kwargs
 
     def predictions(

@@ -1,14 +1,11 @@
-"""ChronoEdit's training spec: Wan's, with the first-frame mask and the condition latents concatenated in channels."""
+"""ChronoEdit's training spec: Wan 2.1 image-to-video's (first-frame mask and condition latents concatenated in
+channels), with ChronoEdit's classes and flow shift."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-import torch
-
 from train.models.spec import FamilySpec, ShiftSpec, frozen, sigma_times_1000
 from train.models.wan.spec import count_tokens, unpack_output  # the same output layout as Wan
+from train.models.wan_i2v.spec import build_inputs  # Wan I2V's inputs: ChronoEdit is Wan2.1-I2V-14B
 
 # UniPC with flow sigmas like Wan; the official ChronoEdit inference (nv-tlabs/ChronoEdit
 # scripts/run_inference_diffusers.py) sets `flow_shift=5.0` (720p).
@@ -18,40 +15,6 @@ SCHEDULER_CONFIG = frozen(
     use_flow_sigmas=True,
     flow_shift=5.0,
 )
-
-VAE_SCALE_FACTOR_TEMPORAL = 4
-
-
-def first_frame_mask(latents: torch.Tensor, vae_scale_factor_temporal: int = VAE_SCALE_FACTOR_TEMPORAL) -> torch.Tensor:
-    """The (B, vae_scale_factor_temporal, F, H, W) mask of ``ChronoEditPipeline.prepare_latents``.
-
-    The pipeline builds a pixel-frame mask (1 on frame 0), repeats frame 0 ``vae_scale_factor_temporal`` times and
-    folds groups of that many pixel frames into channels: latent frame 0 is all ones, the others all zeros.
-    """
-    batch_size, _, frames, height, width = latents.shape
-    mask = latents.new_zeros(batch_size, vae_scale_factor_temporal, frames, height, width)
-    mask[:, :, 0] = 1
-    return mask
-
-
-def build_inputs(
-    batch: Mapping[str, Any],
-    noisy_latents: Mapping[str, torch.Tensor],
-    timesteps: Mapping[str, torch.Tensor],
-    *,
-    model_config: Mapping[str, Any],
-) -> dict[str, Any]:
-    latents = noisy_latents["latents"]
-    condition = batch["condition_latents"].to(latents.dtype)
-    if condition.shape != latents.shape:
-        raise ValueError(f"condition_latents {tuple(condition.shape)} must match latents {tuple(latents.shape)}")
-    return {
-        "hidden_states": torch.cat([latents, first_frame_mask(condition), condition], dim=1),
-        "timestep": timesteps["latents"],
-        "encoder_hidden_states": batch["prompt_embeds"],
-        "encoder_hidden_states_image": batch["image_embeds"],
-    }
-
 
 SPEC = FamilySpec(
     name="chronoedit",

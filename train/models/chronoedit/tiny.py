@@ -7,6 +7,7 @@ from typing import Any
 
 from train.models.tiny import INNER_DIM, t5_tokenizer, umt5_encoder, wan_vae
 from train.models.wan.tiny import TINY_CONFIG as WAN_CONFIG
+from train.models.wan_i2v.tiny import clip_image_encoder
 
 Z_DIM = 4
 # Image-to-video config (like the real ChronoEdit-14B): image embeddings go through the added K/V projections
@@ -19,27 +20,15 @@ TINY_CONFIG: dict[str, Any] = dict(
 
 def build_tiny(path: Path) -> None:
     from diffusers import ChronoEditPipeline, ChronoEditTransformer3DModel, FlowMatchEulerDiscreteScheduler
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
-    image_dim = TINY_CONFIG["image_dim"]
     tok = t5_tokenizer(max_length=512)
+    text_encoder = umt5_encoder(len(tok))
+    image_encoder, image_processor = clip_image_encoder(TINY_CONFIG["image_dim"])
     pipe = ChronoEditPipeline(
         tokenizer=tok,
-        text_encoder=umt5_encoder(len(tok)),
-        image_encoder=CLIPVisionModel(
-            CLIPVisionConfig(
-                hidden_size=image_dim,
-                intermediate_size=24,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                image_size=32,
-                patch_size=8,
-                projection_dim=image_dim,
-            )
-        ),
-        image_processor=CLIPImageProcessor(
-            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, do_center_crop=True
-        ),
+        text_encoder=text_encoder,
+        image_encoder=image_encoder,
+        image_processor=image_processor,
         transformer=ChronoEditTransformer3DModel(**TINY_CONFIG),
         vae=wan_vae(Z_DIM),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),

@@ -45,8 +45,10 @@ def clip_tokenizer(max_length: int = 77):
     return tok
 
 
-def build_tiny(path: Path) -> None:
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+def tiny_components() -> dict[str, Any]:
+    """The tiny FLUX.1 pipeline's components (FluxPipeline's constructor arguments): CLIP + T5, AutoencoderKL with 4
+    latent channels, the tiny transformer."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
     cfg = TINY_CONFIG
@@ -80,7 +82,7 @@ def build_tiny(path: Path) -> None:
             pad_token_id=1,
         )
     )
-    pipe = FluxPipeline(
+    return dict(
         scheduler=FlowMatchEulerDiscreteScheduler(),
         vae=vae,
         text_encoder=clip,
@@ -89,4 +91,9 @@ def build_tiny(path: Path) -> None:
         tokenizer_2=t5_tok,
         transformer=FluxTransformer2DModel(**cfg),
     )
-    pipe.save_pretrained(path)
+
+
+def build_tiny(path: Path) -> None:
+    from diffusers import FluxPipeline
+
+    FluxPipeline(**tiny_components()).save_pretrained(path)

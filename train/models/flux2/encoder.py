@@ -11,6 +11,7 @@ from train.models.encoder import FamilyEncoder
 
 class Flux2Encoder(FamilyEncoder):
     name = "flux2"
+    validation_image = "optional"  # Flux2Pipeline's `image`: optional reference images (train/validation.py)
     default_text_tokens = 512  # Flux2Pipeline.__call__(max_sequence_length=512)
     default_geometry = Geometry("flux2", "image", 16)
     latent_strides = (128, 1, 16)  # the encoder caches 2×2-patchified latents

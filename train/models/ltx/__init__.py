@@ -9,11 +9,10 @@ Forward kwargs, as LTXPipeline's denoising loop: ``hidden_states`` (``LTXPipelin
 ``rope_interpolation_scale = (vae_temporal_compression / frame_rate, vae_spatial_compression,
 vae_spatial_compression)``, ``timestep = sigma * 1000``.
 
-Context parallelism: LTXVideoAttnProcessor turns the text mask into a per-head mask Ulysses can't shard, so the mask
-is not fed under CP (``text_mask_fed_in_cp=False``); :meth:`FamilySpec.forward_kwargs` then cuts the text to the
-longest unpadded prompt instead.
+Context parallelism: the text mask is fed under CP too. LTXVideoAttnProcessor turns it into a per-head
+(B, heads, 1, S_text) bias; the Ulysses attention gives each rank the rows of the heads it owns (train/cp/ulysses.py).
 
-Not covered: image/video-conditioned LTX (LTXImageToVideoPipeline, LTXConditionPipeline).
+Image-to-video (LTXImageToVideoPipeline) is the ``ltx_i2v`` family. Not covered: LTXConditionPipeline.
 """
 
 from .encoder import LTXEncoder as Encoder

@@ -110,6 +110,5 @@ SPEC = FamilySpec(
     count_tokens=count_tokens,
     shift_seq_len=shift_seq_len,
     batch_keys=("latents", "prompt_embeds", "prompt_mask"),
-    text_mask_fed_in_cp=False,
     text_mask_kwarg="encoder_attention_mask",
 )

@@ -25,12 +25,14 @@ TINY_CONFIG: dict[str, Any] = dict(
 
 
 def build_tiny(path: Path) -> None:
-    from diffusers import (
-        AutoencoderKLLTXVideo,
-        FlowMatchEulerDiscreteScheduler,
-        LTXPipeline,
-        LTXVideoTransformer3DModel,
-    )
+    from diffusers import LTXPipeline
+
+    LTXPipeline(**tiny_components()).save_pretrained(path)
+
+
+def tiny_components() -> dict[str, Any]:
+    """The tiny pipeline's components (LTX image-to-video's pipeline takes the same ones)."""
+    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXVideoTransformer3DModel
 
     z = TINY_CONFIG["in_channels"]
     vae = AutoencoderKLLTXVideo(
@@ -50,11 +52,10 @@ def build_tiny(path: Path) -> None:
         vae.latents_mean.copy_(torch.linspace(-0.3, 0.3, z))
         vae.latents_std.copy_(torch.linspace(0.5, 2.0, z))
     tok = t5_tokenizer(max_length=128)
-    pipe = LTXPipeline(
+    return dict(
         scheduler=FlowMatchEulerDiscreteScheduler(),
         vae=vae,
         text_encoder=t5_encoder(len(tok)),
         tokenizer=tok,
         transformer=LTXVideoTransformer3DModel(**TINY_CONFIG),
     )
-    pipe.save_pretrained(path)

@@ -152,7 +152,7 @@ class MiniMaxH3Encoder(FamilyEncoder):
         audio_vae = self.pipe.audio_vae
         return audio_latent_num_frames(num_frames, fps, audio_vae.config.sampling_rate / audio_vae.hop_length)
 
-    def load_extra(self, src, info, bucket, fps):
+    def load_extra(self, src, info, bucket, fps, reference=None):
         from train.data.media import load_audio
 
         fps = fps or info.fps or self.pipe.fps

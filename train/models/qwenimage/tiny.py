@@ -20,20 +20,14 @@ TINY_CONFIG: dict[str, Any] = dict(
 )
 
 
-def build_tiny(path: Path) -> None:
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
+def tiny_qwen25vl(specials: tuple[str, ...] = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>")):
+    """(tokenizer, text encoder): a byte-level Qwen2 tokenizer with ``specials`` and a Qwen2.5-VL of width TEXT_DIM
+    with a one-block vision tower (what the Qwen-Image pipelines read: last hidden state, image tokens for -Edit)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    cfg = TINY_CONFIG
-    z = cfg["out_channels"]
-    tok = qwen_tokenizer(("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>"))
+    tok = qwen_tokenizer(specials)
     special = {t: tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|vision_start|>", "<|image_pad|>")}
-    d = cfg["joint_attention_dim"]
+    d = TINY_CONFIG["joint_attention_dim"]
     text_encoder = Qwen2_5_VLForConditionalGeneration(
         Qwen2_5_VLConfig(
             text_config=dict(
@@ -61,7 +55,14 @@ def build_tiny(path: Path) -> None:
             vision_start_token_id=special["<|vision_start|>"],
         )
     )
-    vae = AutoencoderKLQwenImage(
+    return tok, text_encoder
+
+
+def tiny_qwenimage_vae(z: int):
+    """AutoencoderKLQwenImage of base dim 4 with ``z`` latent channels and non-trivial latents mean/std."""
+    from diffusers import AutoencoderKLQwenImage
+
+    return AutoencoderKLQwenImage(
         base_dim=4,
         z_dim=z,
         dim_mult=[1, 1, 1, 1],
@@ -69,9 +70,16 @@ def build_tiny(path: Path) -> None:
         latents_mean=[0.1 * (i - z / 2) for i in range(z)],
         latents_std=[0.5 + 0.25 * i for i in range(z)],
     )
+
+
+def build_tiny(path: Path) -> None:
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
+
+    cfg = TINY_CONFIG
+    tok, text_encoder = tiny_qwen25vl()
     pipe = QwenImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=vae,
+        vae=tiny_qwenimage_vae(cfg["out_channels"]),
         text_encoder=text_encoder,
         tokenizer=tok,
         transformer=QwenImageTransformer2DModel(**cfg),

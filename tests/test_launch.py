@@ -1,0 +1,163 @@
+"""The launchers: every accelerate config through accelerate's own loader, the multi-node scripts' `--dry-run`
+commands for 2 nodes × 8 GPUs, CP groups inside a node, and a real 2-"node" run on localhost.
+
+The localhost run starts `launch/multi_node.sh` twice (NODE_RANK 0 and 1, 2 processes each, loopback rendezvous): 4
+gloo ranks, parallel.cp=2 so each CP group is one "node"'s 2 ranks and dp_shard=2 spans the nodes. Its per-step loss
+and grad norm must equal, within 1e-5 relative, those of one node running the same data-parallel layout without CP
+(dp_shard=2, cp=1: each data-parallel group a single process, the serial reference of tests/test_finetune.py's
+dp_shard × cp test).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+REL_TOL = 1e-5
+# The launch scripts' inputs come from the environment: none may leak in from the one running the tests.
+SCRIPT_VARS = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE", "RECIPE", "SLURM_NNODES")
+BASE_ENV = {k: v for k, v in os.environ.items() if k not in SCRIPT_VARS}
+CONFIGS = sorted((REPO / "configs" / "accelerate").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_accelerate_config_loads_with_accelerates_loader(path: Path) -> None:
+    """Each config file through `accelerate launch`'s own loader and argument defaults: the process counts, machine
+    counts and precision the trainer relies on (the recipe owns mixed precision: check_inputs refuses any other)."""
+    from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import DistributedType
+
+    config = load_config_from_file(str(path))
+    assert isinstance(config, ClusterConfig)
+    assert config.distributed_type == DistributedType.MULTI_GPU  # with Accelerator(cpu=True): N processes on CPU
+    assert config.mixed_precision == "no" and config.rdzv_backend == "static"
+    assert config.num_processes % config.num_machines == 0 and 0 <= config.machine_rank < config.num_machines
+    args, *_ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "x.py"]))
+    assert (args.num_processes, args.num_machines) == (config.num_processes, config.num_machines)
+    assert args.multi_gpu and args.mixed_precision == "no"
+
+
+def _dry_run(script: str, env: dict[str, str], *args: str) -> list[str]:
+    env = {**BASE_ENV, "RECIPE": "recipes/wan/14b_lora.yaml", "GPUS_PER_NODE": "8", **env}
+    proc = subprocess.run(["bash", script, "--dry-run", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()
+
+
+def _parse(line: str, node: int, label: str = ""):
+    """A dry-run line `node R[ (host)]: <command>` → accelerate's parsed launch arguments."""
+    from accelerate.commands.launch import launch_command_parser
+
+    prefix = f"node {node}{label}: "
+    assert line.startswith(prefix), line
+    argv = shlex.split(line.removeprefix(prefix))
+    assert argv[:3] == [".venv/bin/python", "-m", "train.launch"], argv
+    return launch_command_parser().parse_args(argv[3:])
+
+
+OVERRIDES = ("--set", "parallel.cp=8", "--set", "name=wan 14b run")
+
+
+def _check(args, node: int, ip: str, port: int) -> None:
+    assert args.config_file == "configs/accelerate/multi_node.yaml"
+    assert (args.num_machines, args.num_processes, args.machine_rank) == (2, 16, node)
+    assert (args.main_process_ip, args.main_process_port) == (ip, port)
+    assert args.training_script == "train/finetune.py"
+    assert args.training_script_args == ["--recipe", "recipes/wan/14b_lora.yaml", *OVERRIDES]
+
+
+def test_multi_node_and_slurm_dry_run_two_nodes_of_eight() -> None:
+    """`--dry-run` prints each node's exact command and exits 0: parsed back by accelerate's launch parser, the two
+    commands differ only in machine_rank, and carry the rendezvous, 16 processes on 2 machines, the recipe and the
+    overrides (including one with a space, quoted)."""
+    env = {"NNODES": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29511"}
+    lines = _dry_run("launch/multi_node.sh", env, *OVERRIDES)
+    assert len(lines) == 2
+    for node, line in enumerate(lines):
+        _check(_parse(line, node), node, "10.0.0.1", 29511)
+    assert _dry_run("launch/multi_node.sh", {**env, "NODE_RANK": "1"}, *OVERRIDES) == lines[1:]  # that node only
+
+    slurm = _dry_run("launch/slurm.sbatch", {"SLURM_JOB_NODELIST": "gpu-a,gpu-b", "SLURM_NNODES": "2"}, *OVERRIDES)
+    assert len(slurm) == 2
+    for node, (line, host) in enumerate(zip(slurm, ["gpu-a", "gpu-b"])):
+        _check(_parse(line, node, f" ({host})"), node, "gpu-a", 29500)  # the first node hosts the rendezvous
+
+    # The degrees those commands give: cp 8 inside each node, dp_shard 2 across the nodes.
+    from train.config import load_recipe
+
+    assert load_recipe("recipes/wan/14b_lora.yaml", ["parallel.cp=8"]).parallel.resolve(16) == (1, 2, 8)
+
+
+@pytest.mark.parametrize("nodes,per_node,cp", [(2, 8, 8), (2, 8, 4), (2, 2, 2)])
+def test_cp_groups_stay_inside_a_node(nodes: int, per_node: int, cp: int) -> None:
+    """torchrun numbers ranks node by node (node R holds R×per_node … R×per_node+per_node-1); the trainer's mesh
+    (train/parallel.py, on a fake process group of the full world size) puts each rank's CP group inside its node."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from train.parallel import ParallelDims
+
+    world = nodes * per_node
+    for rank in range(world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            mesh = ParallelDims(1, world // cp, cp).build("cpu")
+            group = mesh.world["ulysses"].mesh.tolist()
+        finally:
+            dist.destroy_process_group()
+        assert rank in group and len(group) == cp
+        assert {r // per_node for r in group} == {rank // per_node}, (rank, group)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+COMMON = ("--set", "logging.wandb_mode=disabled", "--set", "logging.progress_bar=false", "--set", "train.max_steps=3",
+          "--set", "checkpoint.export=none")  # fmt: skip
+
+
+def test_two_nodes_on_localhost_match_one_node(tmp_path: Path) -> None:
+    env = {**BASE_ENV, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    out = tmp_path / "two_nodes"
+    nodes = {"NNODES": "2", "GPUS_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+             "RECIPE": "recipes/tiny/wan.yaml"}  # fmt: skip
+    args = ["bash", "launch/multi_node.sh", *COMMON, "--set", f"output_dir={out}", "--set", "parallel.cp=2"]
+    procs = [subprocess.Popen(args, cwd=REPO, env={**env, **nodes, "NODE_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (1, 0)]  # fmt: skip
+    logs = [p.communicate(timeout=400)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-4000:] for log in logs)
+    layout = json.loads((out / "layout.json").read_text())
+    assert layout["mesh"].startswith("mesh dp_replicate=1 × dp_shard=2 × cp=2 (ring 1 × ulysses 2) = 4 ranks")
+    assert "SUM over cp=2, MEAN over dp=2" in layout["gradient_reduction"]
+
+    ref = tmp_path / "one_node"
+    cmd = [sys.executable, "-m", "train.launch", "--config_file", "configs/accelerate/cpu.yaml", "--num_processes",
+           "2", "train/finetune.py", "--recipe", "recipes/tiny/wan.yaml", *COMMON, "--set", f"output_dir={ref}",
+           "--set", "parallel.cp=1", "--set", "parallel.dp_shard=2"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+    two, one = _metrics(out), _metrics(ref)
+    assert [m["step"] for m in two] == [m["step"] for m in one] == [1, 2, 3]
+    for a, b in zip(two, one):
+        for key in ("loss", "grad_norm"):
+            rel = abs(a[key] - b[key]) / abs(b[key])
+            assert rel <= REL_TOL, f"step {a['step']}: {key} {a[key]} (2 nodes) vs {b[key]} (1 node), rel {rel:.1e}"
+    assert two[-1]["loss"] != two[0]["loss"]

@@ -1,0 +1,104 @@
+"""The run report (train/report.py): written by the trainer at the end of a run, from the files the run wrote.
+
+One tiny CP 2 run with wandb offline (3 steps): its output_dir holds report.md and the charts, the report's numbers
+are those of metrics.jsonl, memory.json and the layout, `python -m train.report` rewrites the same report, and the
+wandb offline run holds the same chart images under files/media/.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CHARTS = {"loss", "grad_norm", "lr", "tokens_per_s", "peak_memory"}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("report") / "run"
+    cmd = [sys.executable, "-m", "train.launch", "--config_file", "configs/accelerate/cpu.yaml", "--num_processes",
+           "2", "train/finetune.py", "--recipe", "recipes/tiny/wan.yaml", "--set", f"output_dir={out}", "--set",
+           "parallel.cp=2", "--set", "train.max_steps=3", "--set", "logging.wandb_mode=offline", "--set",
+           "logging.progress_bar=false"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert f"report: {out / 'report.md'} (5 charts" in proc.stdout
+    return out
+
+
+def _rows(md: str) -> dict[str, str]:
+    return dict(re.findall(r"^\| (.+?) \| (.+?) \|$", md, flags=re.M))
+
+
+def test_report_numbers_are_the_runs(run: Path) -> None:
+    from train.config import load_recipe
+    from train.estimate import estimate
+
+    lines = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = _rows((run / "report.md").read_text())
+    last = lines[-1]
+    assert last["step"] == 3
+    assert math.isclose(float(rows["final loss (step 3)"]), last["loss"], rel_tol=1e-5)
+    assert math.isclose(float(rows["first loss (step 1)"]), lines[0]["loss"], rel_tol=1e-5)
+    assert math.isclose(float(rows["final grad norm (step 3)"]), last["grad_norm"], rel_tol=1e-5)
+    assert rows["steps logged"].startswith("3 (steps 1-3 of max_steps 3")
+    assert rows["world size"] == "2" and rows["dp_replicate × dp_shard × cp"] == "1 × 1 × 2"
+    assert rows["cp plan"].endswith("cp_plans/wan.yaml")
+    tps = sum(m["transformer_tokens_per_s"] for m in lines[1:]) / 2
+    assert math.isclose(float(rows["transformer tokens/s, whole job (mean of steps 2-3)"]), tps, rel_tol=1e-5)
+    peak = max(m["peak_mem_bytes"] for m in lines)
+    assert rows["measured peak, rank 0"].startswith(f"{peak / 2**30:.2f} GiB")
+
+    # The prediction recorded at startup is train.estimate's for this recipe and world size, as printed then.
+    memory = json.loads((run / "memory.json").read_text())
+    assert memory["world_size"] == 2 and memory["device_type"] == "cpu"
+    assert memory["predicted_peak_bytes"] == estimate(load_recipe(run / "recipe.yaml"), 2, "cpu").peak
+    assert memory["startup_check"] == f"predicted peak per rank {memory['predicted_peak_bytes'] / 2**20:.1f} MiB"
+    assert rows["predicted peak per rank (train.estimate at startup)"] == memory["startup_check"].split()[-2] + " MiB"
+    assert rows["exported weights"].startswith(f"`{run / 'lora'}` (lora") and (run / "lora").is_dir()
+
+
+def test_charts_are_pngs_and_the_cli_rewrites_the_same_report(run: Path) -> None:
+    import matplotlib.image as mpimg
+
+    from train import report
+
+    charts = sorted((run / "report").glob("*.png"))
+    assert {c.stem for c in charts} == CHARTS
+    for c in charts:
+        pixels = mpimg.imread(c)
+        assert pixels.shape[0] > 100 and pixels.shape[1] > 100 and pixels.std() > 0  # something is drawn
+    md = (run / "report.md").read_text()
+    assert all(f"![{c.stem}](report/{c.name})" in md for c in charts)
+    assert report.main([str(run)]) == 0
+    assert (run / "report.md").read_text() == md
+
+
+def test_wandb_offline_run_holds_the_charts(run: Path) -> None:
+    """With wandb on, the charts are logged as images at the last step: the offline run folder's files/media/ holds
+    the same PNG bytes."""
+    (wandb_run,) = (run / "wandb").glob("offline-run-*")
+    media = sorted((wandb_run / "files" / "media" / "images" / "report").glob("*.png"))
+    names = {m.name.split("_3_")[0] for m in media}  # <key>_<step>_<hash>.png
+    assert names == CHARTS, media
+    for m in media:
+        assert m.read_bytes() == (run / "report" / (m.name.split("_3_")[0] + ".png")).read_bytes()
+
+
+def test_report_failure_is_one_line_not_an_error(tmp_path: Path, capsys) -> None:
+    from train.report import main, report_at_end, smooth
+
+    assert report_at_end(tmp_path) == []  # no metrics.jsonl: the trainer's run still succeeds
+    assert capsys.readouterr().out.startswith(f"report: not written (FileNotFoundError: {tmp_path / 'metrics.jsonl'}")
+    assert main([str(tmp_path)]) == 2
+    # The smoothed loss: a debiased EMA (a constant stays constant), skipped (non-finite) steps passed through.
+    assert smooth([2.0, 2.0, math.nan, 2.0]) == pytest.approx([2.0, 2.0, math.nan, 2.0], nan_ok=True)

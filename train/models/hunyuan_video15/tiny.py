@@ -1,0 +1,114 @@
+"""HunyuanVideo 1.5's tiny transformer config and tiny HunyuanVideo15Pipeline: a 3-layer Qwen2.5-VL text model with a
+byte-level Qwen2 tokenizer and a ChatML template, a ByT5 (T5 encoder on bytes) for the glyph text, and
+AutoencoderKLHunyuanVideo15 with 4 latent channels at the released x16 spatial / 4k+1 temporal compression."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from train.models.tiny import HEAD_DIM, NUM_HEADS, TEXT_DIM, qwen_tokenizer
+
+LATENT_CHANNELS = 4
+BYT5_DIM = 12
+
+TINY_CONFIG: dict[str, Any] = dict(
+    in_channels=2 * LATENT_CHANNELS + 1,  # latents | conditioning latents | conditioning mask
+    out_channels=LATENT_CHANNELS,
+    num_attention_heads=NUM_HEADS,
+    attention_head_dim=HEAD_DIM,
+    num_layers=2,  # dual-stream blocks: the second sees the first's text states as keys only
+    num_refiner_layers=1,
+    mlp_ratio=2.0,
+    patch_size=1,
+    patch_size_t=1,
+    qk_norm="rms_norm",
+    text_embed_dim=TEXT_DIM,
+    text_embed_2_dim=BYT5_DIM,
+    image_embed_dim=8,
+    rope_theta=256.0,
+    rope_axes_dim=(2, 2, 4),  # sums to HEAD_DIM
+    target_size=640,
+    task_type="t2v",
+    use_meanflow=False,
+)
+
+# Qwen2.5-VL's chat template, as HunyuanVideo15Pipeline uses it (a system and a user message, text content only).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def qwen_chat_tokenizer():
+    tok = qwen_tokenizer(("<|im_start|>", "<|im_end|>", "<|endoftext|>"))
+    tok.pad_token = "<|endoftext|>"
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def tiny_components() -> dict[str, Any]:
+    """HunyuanVideo15Pipeline's constructor arguments, tiny."""
+    from diffusers import (
+        AutoencoderKLHunyuanVideo15,
+        ClassifierFreeGuidance,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideo15Transformer3DModel,
+    )
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
+    from train.models.hunyuan_video15.spec import SCHEDULER_CONFIG
+
+    cfg = TINY_CONFIG
+    tok, byt5_tok = qwen_chat_tokenizer(), ByT5Tokenizer()
+    qwen = Qwen2_5_VLTextModel(
+        Qwen2_5_VLTextConfig(
+            vocab_size=len(tok),
+            hidden_size=cfg["text_embed_dim"],
+            intermediate_size=32,
+            num_hidden_layers=3,  # the pipeline reads hidden_states[-3]
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=4096,  # the byte-level template prefix is ~700 tokens, + 1000 text tokens
+            rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0},
+            bos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+            eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+            pad_token_id=tok.pad_token_id,
+        )
+    )
+    byt5 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(byt5_tok),
+            d_model=cfg["text_embed_2_dim"],
+            d_kv=4,
+            d_ff=24,
+            num_layers=2,
+            num_heads=3,
+            relative_attention_num_buckets=8,
+            feed_forward_proj="gated-gelu",
+            pad_token_id=byt5_tok.pad_token_id,
+            eos_token_id=byt5_tok.eos_token_id,
+        )
+    )
+    vae = AutoencoderKLHunyuanVideo15(
+        latent_channels=LATENT_CHANNELS,
+        block_out_channels=(8, 8, 8, 8, 8),
+        layers_per_block=1,
+        scaling_factor=0.75,  # the released 1.03682 is close to 1; any other value shows a missing scaling
+    )
+    return dict(
+        text_encoder=qwen,
+        tokenizer=tok,
+        transformer=HunyuanVideo15Transformer3DModel(**cfg),
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=SCHEDULER_CONFIG["shift"]),
+        text_encoder_2=byt5,
+        tokenizer_2=byt5_tok,
+        guider=ClassifierFreeGuidance(guidance_scale=6.0),
+    )
+
+
+def build_tiny(path: Path) -> None:
+    from diffusers import HunyuanVideo15Pipeline
+
+    HunyuanVideo15Pipeline(**tiny_components()).save_pretrained(path)

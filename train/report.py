@@ -1,0 +1,262 @@
+"""A run's plots and summary: `python -m train.report <output_dir>`.
+
+    python -m train.report outputs/tiny-wan      # → outputs/tiny-wan/report.md + outputs/tiny-wan/report/*.png
+
+Reads only what the trainer wrote in output_dir: `metrics.jsonl` (one line per logged optimizer step,
+train/metrics.py), `recipe.yaml` (the resolved recipe), `layout.json` (mesh, CP plan, gradient reduction, weights) and
+`memory.json` (train.estimate's prediction at startup, with the world size; written by `record_memory`). Writes one PNG
+per chart (loss raw and smoothed, grad norm, lr, transformer tokens/s, peak memory against step) and `report.md`: the
+recipe, the parallel layout and degrees, the predicted vs measured peak memory, throughput, and where the weights are.
+
+The trainer writes the report at the end of every run (rank 0, after export) through `report_at_end`, which never
+raises: the report is derived from files already on disk, so a plotting failure must not turn a trained, exported run
+into a failed job (its exit code is what schedulers and `train.launch` act on); the command above rewrites it later.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from train.config import Recipe, load_recipe
+
+SMOOTHING = 0.9  # EMA weight of the smoothed loss (as wandb / TensorBoard "smoothing"), debiased at the start
+# (metrics.jsonl key, file stem, y label, scale): one chart each; the loss chart also draws the smoothed curve
+CHARTS = (
+    ("loss", "loss", "loss", 1.0),
+    ("grad_norm", "grad_norm", "gradient norm (before clipping)", 1.0),
+    ("lr", "lr", "learning rate", 1.0),
+    ("transformer_tokens_per_s", "tokens_per_s", "transformer tokens / s (whole job)", 1.0),
+    ("peak_mem_bytes", "peak_memory", "peak memory, rank 0 (GiB)", 2.0**-30),
+)
+GIB = 2**30
+
+
+@dataclass
+class Run:
+    """What the trainer left in an output_dir."""
+
+    out: Path
+    metrics: list[dict]
+    recipe: Recipe
+    layout: dict
+    memory: dict | None  # memory.json; None for a run that did not record it
+
+
+def record_memory(out_dir: Path, recipe: Recipe, world_size: int, device_type: str, line: str) -> None:
+    """Write `memory.json`: the trainer's startup line (`memory: ...`) and train.estimate's predicted peak per rank in
+    bytes for this layout (the same call startup_check makes; cheap after it), for the report. Rank 0 calls it."""
+    from train.estimate import estimate
+
+    record: dict = {"startup_check": line, "world_size": world_size, "device_type": device_type}
+    try:
+        e = estimate(recipe, world_size, device_type)
+        record |= {"predicted_peak_bytes": e.peak, "components_bytes": e.components, "layout": e.layout}
+    except Exception as err:  # noqa: BLE001 — e.g. memory_check: off for a model the estimator cannot build
+        record["predicted_peak_bytes"] = None
+        record["why_no_prediction"] = f"{type(err).__name__}: {err}"
+    (out_dir / "memory.json").write_text(json.dumps(record, indent=1))
+
+
+def load_run(out: Path) -> Run:
+    metrics_path = out / "metrics.jsonl"
+    if not metrics_path.exists():
+        raise FileNotFoundError(f"{metrics_path} does not exist: is {out} a training run's output_dir?")
+    lines = [json.loads(ln) for ln in metrics_path.read_text().splitlines() if ln.strip()]
+    memory = json.loads((out / "memory.json").read_text()) if (out / "memory.json").exists() else None
+    layout = json.loads((out / "layout.json").read_text()) if (out / "layout.json").exists() else {}
+    return Run(out, lines, load_recipe(out / "recipe.yaml"), layout, memory)
+
+
+def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
+    """Debiased exponential moving average (TensorBoard's smoothing); non-finite values (skipped steps) are passed
+    through as NaN and leave the average unchanged."""
+    out, avg, n = [], 0.0, 0
+    for v in values:
+        if not math.isfinite(v):
+            out.append(math.nan)
+            continue
+        n += 1
+        avg = weight * avg + (1 - weight) * v
+        out.append(avg / (1 - weight**n))
+    return out
+
+
+def plot(run: Run, folder: Path) -> list[Path]:
+    """One PNG per chart in `folder`; returns their paths (charts whose key no line holds are left out)."""
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure state, a faster import
+    from matplotlib.ticker import MaxNLocator
+
+    folder.mkdir(parents=True, exist_ok=True)
+
+    memory = run.memory or {}
+    # The prediction is drawn against what it predicts: GPU tensor memory. On CPU the measurement is the process's
+    # resident set (interpreter and libraries included), another quantity; report.md gives both.
+    predicted = memory.get("predicted_peak_bytes") if memory.get("device_type") == "cuda" else None
+    paths = []
+    for key, stem, label, scale in CHARTS:
+        points = [(m["step"], m[key] * scale) for m in run.metrics if m.get(key) is not None]
+        if not points:
+            continue
+        steps, values = [p[0] for p in points], [p[1] for p in points]
+        fig = Figure(figsize=(6.4, 3.6))
+        ax = fig.subplots()
+        ax.plot(steps, values, "-" if len(steps) > 30 else "o-", lw=1, ms=3, alpha=0.45 if key == "loss" else 1.0,
+                label="raw" if key == "loss" else None)  # fmt: skip
+        if key == "loss":
+            ax.plot(steps, smooth(values), "-", lw=2, label=f"smoothed (EMA {SMOOTHING})")
+        if key == "peak_mem_bytes" and predicted:
+            ax.axhline(predicted * scale, ls="--", color="k", lw=1, label="train.estimate prediction per rank")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(label)
+        ax.set_title(f"{run.recipe.name}: {label}")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = folder / f"{stem}.png"
+        fig.savefig(path, dpi=100)
+        paths.append(path)
+    return paths
+
+
+def _size(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= 0.1 * GIB else f"{n / 2**20:.1f} MiB"
+
+
+def _table(rows: list[tuple[str, object]]) -> list[str]:
+    return ["| | |", "|---|---|"] + [f"| {k} | {str(v).replace('|', '/')} |" for k, v in rows]
+
+
+def summary(run: Run, charts: list[Path]) -> str:
+    """The markdown report."""
+    r, m, out = run.recipe, run.metrics, run.out
+    t, ft, p = r.train, r.finetune, r.parallel
+    world = (run.memory or {}).get("world_size")
+    rep, shard, cp = p.resolve(world) if world else (p.dp_replicate, p.dp_shard, p.cp)
+    lines = [f"# Run report: {r.name}", "",
+             f"`{out}`; written by `python -m train.report {out}` (the trainer writes it at the end of every run) from "
+             "metrics.jsonl, recipe.yaml, layout.json and memory.json.", ""]  # fmt: skip
+
+    lines += ["## Result", ""]
+    if m:
+        finite = [x for x in m if math.isfinite(x["loss"])]
+        best = min(finite, key=lambda x: x["loss"]) if finite else None
+        lines += _table([
+            ("steps logged", f"{len(m)} (steps {m[0]['step']}-{m[-1]['step']} of max_steps {t.max_steps}, every "
+                             f"{r.logging.every_n_steps})"),
+            (f"final loss (step {m[-1]['step']})", f"{m[-1]['loss']:.6g}"),
+            (f"first loss (step {m[0]['step']})", f"{m[0]['loss']:.6g}"),
+            ("lowest loss", f"{best['loss']:.6g} (step {best['step']})" if best else "none finite"),
+            (f"final grad norm (step {m[-1]['step']})", f"{m[-1]['grad_norm']:.6g}"),
+            ("skipped steps (non-finite loss or grad norm)", m[-1].get("bad_steps", 0)),
+        ])  # fmt: skip
+    else:
+        lines.append("No metrics lines (the run logged no step).")
+
+    model = f"`{r.model.pretrained_path}` ({r.model.subfolder})" if r.model.pretrained_path else "random init"
+    method = f"LoRA (rank {ft.lora_rank}, alpha {ft.lora_alpha:g})" if ft.method == "lora" else "full fine-tuning"
+    levers = [
+        f"gradient checkpointing (every {t.checkpoint_every} block)" if t.gradient_checkpointing else None,
+        "activation offload" if t.offload_activations else None,
+        "torch.compile" if t.compile else None,
+    ]
+    data = f"synthetic ({r.data.synthetic.num_samples} samples)" if r.data.synthetic else f"`{r.data.cache_dir}`"
+    lines += ["", "## Recipe", ""] + _table([
+        ("family", r.model.family), ("transformer", f"{model}, {r.model.dtype}"), ("method", method),
+        ("batch per step", f"batch_size {t.batch_size} × grad_accum {t.grad_accum} × dp {rep * shard} = "
+                           f"{t.batch_size * t.grad_accum * rep * shard} samples"),
+        ("lr", f"{t.lr:g}, {t.lr_schedule}, warmup {t.warmup_steps}, max_grad_norm {t.max_grad_norm}"),
+        ("precision", run.layout.get("mixed_precision", t.mixed_precision)),
+        ("activation levers", ", ".join(x for x in levers if x) or "none"), ("data", data),
+        ("recipe", f"`{out / 'recipe.yaml'}`"),
+    ])  # fmt: skip
+
+    lines += ["", "## Parallel layout", ""] + _table([
+        ("world size", world if world else "not recorded"),
+        ("dp_replicate × dp_shard × cp", f"{rep} × {shard} × {cp}"),
+        *[(k.replace("_", " "), v) for k, v in run.layout.items()],
+    ])  # fmt: skip
+
+    mem = run.memory or {}
+    predicted = mem.get("predicted_peak_bytes")
+    device = mem.get("device_type", "cuda")
+    rows = [("predicted peak per rank (train.estimate at startup)",
+             _size(predicted) if predicted else mem.get("why_no_prediction", "not recorded"))]  # fmt: skip
+    if m:
+        peak = max(x["peak_mem_bytes"] for x in m)
+        what = ("torch.cuda.max_memory_allocated" if device == "cuda" else
+                "the process's peak resident set: Python, torch and the imports included, so not comparable with the "
+                "prediction of tensor bytes")  # fmt: skip
+        rows.append(("measured peak, rank 0", f"{_size(peak)} ({what})"))
+        if predicted and device == "cuda":
+            rows.append(("measured / predicted", f"{peak / predicted:.2f}"))
+        steady = m[1:] or m  # the first step includes warm-up (allocations, compile)
+        tps = statistics.fmean(x["transformer_tokens_per_s"] for x in steady)
+        rows += [(f"transformer tokens/s, whole job (mean of steps {steady[0]['step']}-{steady[-1]['step']})",
+                  f"{tps:.6g}"),
+                 ("step time (median)", f"{statistics.median(x['step_time_s'] for x in steady):.4g} s")]  # fmt: skip
+    lines += ["", "## Memory and throughput", ""] + _table(rows)
+
+    kind = ft.method if r.checkpoint.export == "auto" else r.checkpoint.export
+    weights = {"lora": (out / "lora", "`<Pipeline>.load_lora_weights(path)`"),
+               "full": (out / "transformer", "`<Transformer>.from_pretrained(path)`")}.get(kind)  # fmt: skip
+    if kind == "none":
+        exported = "none (checkpoint.export: none)"
+    else:
+        exported = f"`{weights[0]}` ({kind}; load with {weights[1]})" if weights[0].exists() else "not written"
+    checkpoints = sorted((out / "checkpoints").glob("step_*")) if (out / "checkpoints").is_dir() else []
+    wandb_runs = sorted((out / "wandb").glob("offline-run-*")) + sorted((out / "wandb").glob("run-*"))
+    wandb = ", ".join(f"`{w}`" for w in wandb_runs) or "none"
+    if any(w.name.startswith("offline") for w in wandb_runs):
+        wandb += " (upload: `wandb sync <dir>`)"
+    outputs = [("metrics", f"`{out / 'metrics.jsonl'}`"), ("exported weights", exported),
+               ("latest checkpoint", f"`{checkpoints[-1]}` ({len(checkpoints)} kept)" if checkpoints else "none"),
+               ("wandb", wandb)]  # fmt: skip
+    lines += ["", "## Outputs", ""] + _table(outputs)
+
+    lines += ["", "## Charts", ""] + [f"![{c.stem}]({c.relative_to(out).as_posix()})" for c in charts]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out: Path) -> list[Path]:
+    """Write `out/report/*.png` and `out/report.md`; returns the PNG paths."""
+    run = load_run(out)
+    charts = plot(run, out / "report")
+    (out / "report.md").write_text(summary(run, charts))
+    return charts
+
+
+def report_at_end(out: Path) -> list[Path]:
+    """The trainer's end-of-run report: `write_report`, or one printed line on failure (never raises; see above)."""
+    try:
+        charts = write_report(out)
+    except Exception as err:  # noqa: BLE001 — the run's weights and metrics are written; the report is optional
+        print(f"report: not written ({type(err).__name__}: {err}); retry with `python -m train.report {out}`")
+        return []
+    print(f"report: {out / 'report.md'} ({len(charts)} charts in {out / 'report'})")
+    return charts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train.report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("output_dir", type=Path, help="a training run's output_dir (holds metrics.jsonl)")
+    args = parser.parse_args(argv)
+    try:
+        charts = write_report(args.output_dir)
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.output_dir / 'report.md'} and {len(charts)} charts in {args.output_dir / 'report'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

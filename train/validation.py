@@ -1,0 +1,265 @@
+"""Validation samples during training: the family's own diffusers pipeline around the training transformer.
+
+Recipe section `validation` (train/config.py). Every `every_n_steps` optimizer steps (and after the last one, and with
+`at_start` before the first), each prompt is rendered by `spec.pipeline_class`, loaded once from
+`model.pretrained_path` minus its transformer exactly as `train.prepare` loads it (the family's `Encoder.load`), with
+the TRAINING transformer put in as it is:
+
+- CP hooks and FSDP2 shards stay in place. Every rank calls the pipeline with the same inputs and the same seeded
+  generator, so the text encoders and the sampler agree everywhere and each transformer forward runs like a training
+  forward: FSDP all-gathers block by block (no rank ever holds the whole model), the CP plan splits the sequence over
+  the CP group. The weights are those of this step: LoRA adapters active, or the full weights.
+- The transformer is assigned after the pipeline was built and moved, so no `pipe.to(...)` ever moves or casts it;
+  `pipe.transformer.dtype`/`.device` read its (DTensor) parameters, whose dtype and device are the local shard's.
+- Nothing of the training state changes: the transformer's train/eval flags are restored module by module, the
+  forward runs under no_grad, the global torch RNG state is restored after the call (the pipelines draw only from the
+  generator they are given), and the pipeline's scheduler is its own. The training generators are stateless per step
+  (train/finetune.py `step_generator`), so a run with validation logs the metrics lines of one without.
+- The VAE and text encoders live in host memory between validations (`offload`), on the device during one.
+
+Rank 0 writes `output_dir/samples/step_N/<i>.mp4` (video; PyAV, libx264 yuv420p) or `<i>.png` (image), optionally the
+float output `<i>.pt` (`save_tensors`), and logs them to wandb (`validation/<i>`, the prompt as caption).
+
+Per family, as data: `spec.pipeline_class`, `spec.latent_kind` (mp4 or png), the encoder's `validation_image`
+(the pipeline's `image` argument required, optional or not taken). Which keyword arguments a pipeline takes
+(`num_frames`, `negative_prompt`, `callback_on_step_end`) is read from its `__call__` signature.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from train.config import Recipe, ValidationConfig
+from train.errors import UserError
+from train.models.spec import FamilySpec
+
+__all__ = ["Validation", "check_validation", "sample_paths"]
+
+
+def _pipeline_class(spec: FamilySpec):
+    import diffusers
+
+    return getattr(diffusers, spec.pipeline_class)
+
+
+def _call_parameters(spec: FamilySpec) -> dict[str, inspect.Parameter]:
+    return dict(inspect.signature(_pipeline_class(spec).__call__).parameters)
+
+
+def check_validation(recipe: Recipe, spec: FamilySpec) -> None:
+    """The `validation` section against the family and the files it names, before anything is built; raises
+    UserError (one line: cause and fix)."""
+    v = recipe.validation
+    if v is None:
+        return
+    from diffusers import DiffusionPipeline
+
+    from train.models import get_encoder
+
+    if recipe.model.pretrained_path is None:
+        raise UserError("validation: samples need the pipeline's VAE and text encoders, and model.pretrained_path is "
+                        "null; set it to the pipeline folder (or hub id), or set validation=null")  # fmt: skip
+    if not issubclass(_pipeline_class(spec), DiffusionPipeline):
+        raise UserError(f"validation: {spec.name}'s pipeline {spec.pipeline_class} is a modular pipeline, which "
+                        "validation samples do not drive yet; set validation=null")  # fmt: skip
+    if spec.experts:
+        raise UserError(f"validation: {spec.name} trains one expert of a mixture {list(spec.experts)}, and its "
+                        "pipeline needs both to sample; render samples after training from the exported weights, "
+                        "or set validation=null")  # fmt: skip
+    takes = _call_parameters(spec)
+    if v.negative_prompt is not None and "negative_prompt" not in takes:
+        raise UserError(f"validation.negative_prompt: {spec.pipeline_class} takes no negative prompt; set it to null")
+    wants = get_encoder(spec.name).validation_image
+    for i, p in enumerate(v.prompts):
+        key = f"validation.prompts[{i}].image"
+        if p.image is None and wants == "required":
+            raise UserError(f"{key}: {spec.name} samples are conditioned on an image ({spec.pipeline_class}'s "
+                            "`image`); give each prompt an image path")  # fmt: skip
+        if p.image is not None and wants is None:
+            raise UserError(f"{key}: {spec.name} ({spec.pipeline_class}) takes no conditioning image; remove it")
+        if p.image is not None and not Path(p.image).expanduser().is_file():
+            raise UserError(f"{key}: no file {Path(p.image).expanduser().resolve()}; point it at an image file")
+
+
+def sample_paths(output_dir: str | Path, step: int, count: int, latent_kind: str) -> list[Path]:
+    """Where the samples of `step` are written: output_dir/samples/step_N/<i>.mp4 (video) or <i>.png (image)."""
+    ext = "mp4" if latent_kind == "video" else "png"
+    return [Path(output_dir) / "samples" / f"step_{step}" / f"{i}.{ext}" for i in range(count)]
+
+
+def to_uint8(x: np.ndarray) -> np.ndarray:
+    """The pipelines' "np" output (floats in [0, 1]) as 8-bit pixels, as diffusers' `numpy_to_pil` rounds them."""
+    return (np.clip(x, 0.0, 1.0) * 255).round().astype(np.uint8)
+
+
+@contextmanager
+def _inference(model: torch.nn.Module):
+    """eval() and no_grad for the call; afterwards every module's own train/eval flag as it was."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+class Validation:
+    """Renders the recipe's validation samples at the steps it names; every rank calls `at_step` after each step."""
+
+    def __init__(self, recipe: Recipe, spec: FamilySpec, model: torch.nn.Module, device: torch.device,
+                 amp: torch.dtype | None, metrics, watchdog=None, cp: int = 1, start: int = 0) -> None:  # fmt: skip
+        self.cfg: ValidationConfig | None = recipe.validation
+        self.recipe, self.spec, self.model, self.device, self.amp = recipe, spec, model, device, amp
+        self.metrics, self.watchdog, self.cp, self.start = metrics, watchdog, cp, start
+        self.pipe = None
+        if self.cfg is not None:
+            check_validation(recipe, spec)
+            self._load()
+
+    # ----------------------------------------------------------------------------------------------------- when
+
+    def due(self, step: int) -> bool:
+        """Render at `step` (optimizer steps done)? Multiples of every_n_steps and the last step; step 0 with
+        at_start; never again at the step a resumed run starts from (rendered before the checkpoint was written)."""
+        v = self.cfg
+        if v is None or (step == self.start and step > 0):
+            return False
+        if step == 0:
+            return v.at_start
+        return step % v.every_n_steps == 0 or step == self.recipe.train.max_steps
+
+    # ---------------------------------------------------------------------------------------------------- setup
+
+    def _load(self) -> None:
+        from diffusers.utils import logging as dlogging
+
+        from train.models import get_encoder
+
+        m, data = self.recipe.model, self.recipe.data.resolved(self.recipe.model)
+        encoder = get_encoder(self.spec.name)  # the pipeline minus its transformer(s), as train.prepare loads it
+        home = torch.device("cpu") if self.cfg.offload else self.device
+        text_dtype = getattr(torch, data.text_encoder_dtype)
+        encoder.load(m.pretrained_path, revision=m.revision, device=home, text_dtype=text_dtype)
+        self.pipe = encoder.pipe
+        self.pipe.set_progress_bar_config(disable=True)
+        dlogging.set_verbosity_error()  # e.g. "generator on cpu, device cuda": expected, every validation
+        self._components = {n: c for n, c in self.pipe.components.items()
+                            if isinstance(c, torch.nn.Module) and not n.startswith("transformer")}  # fmt: skip
+        self.pipe.transformer = self.model  # after the move: the pipeline never moves or casts it
+        self.takes = _call_parameters(self.spec)
+
+    @contextmanager
+    def _components_on_device(self):
+        if not self.cfg.offload or self.device.type == "cpu":
+            yield
+            return
+        for c in self._components.values():
+            c.to(self.device)
+        try:
+            yield
+        finally:
+            for c in self._components.values():
+                c.to("cpu")
+            torch.cuda.empty_cache()
+
+    def _kwargs(self, i: int, step: int) -> dict[str, Any]:
+        v, data, takes = self.cfg, self.recipe.data, self.takes
+        p = v.prompts[i]
+        kw: dict[str, Any] = {"prompt": p.prompt, "num_inference_steps": v.num_inference_steps, "output_type": "np",
+                              "height": v.height or data.height, "width": v.width or data.width,
+                              "generator": torch.Generator("cpu").manual_seed(v.seed + i)}  # fmt: skip
+        if "num_frames" in takes:
+            kw["num_frames"] = v.num_frames or data.num_frames
+        if v.guidance_scale is not None:
+            kw["guidance_scale"] = v.guidance_scale
+        if v.negative_prompt is not None:
+            kw["negative_prompt"] = v.negative_prompt
+        if p.image is not None:
+            from PIL import Image
+
+            kw["image"] = Image.open(Path(p.image).expanduser()).convert("RGB")
+        if self.watchdog is not None and "callback_on_step_end" in takes:  # a long sample is progress, not a hang
+
+            def beat(pipe, i, t, tensors):
+                self.watchdog.phase("validation", step)
+                return {}
+
+            kw["callback_on_step_end"] = beat
+        return kw
+
+    def _cp_text_mask(self):
+        """Under CP, the family's text-mask rule of training (`FamilySpec.forward_kwargs`): a mask the CP processors
+        cannot shard is replaced (text cut to the prompt, mask None or all ones), as a forward pre-hook."""
+        spec = self.spec
+        if self.cp == 1 or spec.text_mask_fed_in_cp or spec.text_mask_kwarg is None:
+            return nullcontext()
+        from train.models.spec import trim_text_padding
+
+        def hook(module, args, kwargs):
+            mask = kwargs.get(spec.text_mask_kwarg)
+            if mask is None:
+                return None
+            text = trim_text_padding(kwargs[spec.text_kwarg], mask)
+            ones = mask.new_ones(text.shape[:2])
+            return args, {**kwargs, spec.text_kwarg: text, spec.text_mask_kwarg: ones if spec.text_mask_required
+                          else None}  # fmt: skip
+
+        handle = self.model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+
+        @contextmanager
+        def scoped():
+            try:
+                yield
+            finally:
+                handle.remove()
+
+        return scoped()
+
+    # ------------------------------------------------------------------------------------------------------ run
+
+    def at_step(self, step: int) -> list[Path]:
+        """Render the samples of `step` when it is due (a collective: every rank calls it, with the same step);
+        returns the files written (rank 0) or []."""
+        if not self.due(step):
+            return []
+        if self.watchdog is not None:
+            self.watchdog.phase("validation", step)
+        v, rank0, t0 = self.cfg, dist.get_rank() == 0, time.perf_counter()
+        paths = sample_paths(self.recipe.output_dir, step, len(v.prompts), self.spec.latent_kind)
+        if rank0:
+            paths[0].parent.mkdir(parents=True, exist_ok=True)
+        devices = [self.device] if self.device.type == "cuda" else []
+        autocast = torch.autocast(self.device.type, dtype=self.amp) if self.amp is not None else nullcontext()
+        written = []
+        with (self._components_on_device(), _inference(self.model), torch.random.fork_rng(devices=devices),
+              self._cp_text_mask(), autocast):  # fmt: skip
+            for i, path in enumerate(paths):
+                out = self.pipe(**self._kwargs(i, step))[0][0]  # (F, H, W, 3) video or (H, W, 3) image, in [0, 1]
+                out = np.asarray(out.float().cpu() if isinstance(out, torch.Tensor) else out, dtype=np.float32)
+                if rank0:
+                    written.append(self._write(path, out))
+        if rank0:
+            self.metrics.log_media(step, [(p, v.prompts[i].prompt) for i, p in enumerate(written)])
+            print(f"validation: {len(written)} sample(s) of step {step} in {paths[0].parent} "
+                  f"({time.perf_counter() - t0:.1f} s)", flush=True)  # fmt: skip
+        return written
+
+    def _write(self, path: Path, out: np.ndarray) -> Path:
+        from train.data.synthetic_media import write_image, write_video
+
+        if self.cfg.save_tensors:
+            torch.save(torch.from_numpy(out), path.with_suffix(".pt"))
+        if path.suffix == ".mp4":
+            fps = self.cfg.fps or self.recipe.data.fps or 16.0
+            return write_video(path, to_uint8(out), fps=fps, codec="libx264")  # yuv420p: plays in browsers/wandb
+        return write_image(path, to_uint8(out))
