@@ -133,24 +133,28 @@ COMMON = ("--set", "logging.wandb_mode=disabled", "--set", "logging.progress_bar
           "--set", "checkpoint.export=none")  # fmt: skip
 
 
-def test_two_nodes_on_localhost_match_one_node(tmp_path: Path) -> None:
+def test_two_nodes_on_localhost_match_one_process(tmp_path: Path) -> None:
+    """Two "nodes" of 2 processes each (launch/multi_node.sh, loopback rendezvous) train one CP group of 4 laid out
+    as the scripts intend: Ulysses inside a node (consecutive ranks), ring across the nodes (parallel.cp_ring=2).
+    One CP group: the run must match the single-process run step by step."""
     env = {**BASE_ENV, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
     out = tmp_path / "two_nodes"
     nodes = {"NNODES": "2", "GPUS_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
              "RECIPE": "recipes/tiny/wan.yaml"}  # fmt: skip
-    args = ["bash", "launch/multi_node.sh", *COMMON, "--set", f"output_dir={out}", "--set", "parallel.cp=2"]
+    args = ["bash", "launch/multi_node.sh", *COMMON, "--set", f"output_dir={out}", "--set", "parallel.cp=4",
+            "--set", "parallel.cp_ring=2"]  # fmt: skip
     procs = [subprocess.Popen(args, cwd=REPO, env={**env, **nodes, "NODE_RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in (1, 0)]  # fmt: skip
     logs = [p.communicate(timeout=400)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-4000:] for log in logs)
     layout = json.loads((out / "layout.json").read_text())
-    assert layout["mesh"].startswith("mesh dp_replicate=1 × dp_shard=2 × cp=2 (ring 1 × ulysses 2) = 4 ranks")
-    assert "SUM over cp=2, MEAN over dp=2" in layout["gradient_reduction"]
+    assert layout["mesh"].startswith("mesh dp_replicate=1 × dp_shard=1 × cp=4 (ring 2 × ulysses 2) = 4 ranks")
+    assert "SUM over cp=4" in layout["gradient_reduction"]
 
-    ref = tmp_path / "one_node"
+    ref = tmp_path / "one_process"
     cmd = [sys.executable, "-m", "train.launch", "--config_file", "configs/accelerate/cpu.yaml", "--num_processes",
-           "2", "train/finetune.py", "--recipe", "recipes/tiny/wan.yaml", *COMMON, "--set", f"output_dir={ref}",
-           "--set", "parallel.cp=1", "--set", "parallel.dp_shard=2"]  # fmt: skip
+           "1", "train/finetune.py", "--recipe", "recipes/tiny/wan.yaml", *COMMON, "--set", f"output_dir={ref}",
+           "--set", "parallel.cp=1"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
@@ -159,5 +163,5 @@ def test_two_nodes_on_localhost_match_one_node(tmp_path: Path) -> None:
     for a, b in zip(two, one):
         for key in ("loss", "grad_norm"):
             rel = abs(a[key] - b[key]) / abs(b[key])
-            assert rel <= REL_TOL, f"step {a['step']}: {key} {a[key]} (2 nodes) vs {b[key]} (1 node), rel {rel:.1e}"
+            assert rel <= REL_TOL, f"step {a['step']}: {key} {a[key]} (2 nodes) vs {b[key]} (1 process), rel {rel:.1e}"
     assert two[-1]["loss"] != two[0]["loss"]
