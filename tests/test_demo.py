@@ -29,9 +29,10 @@ def test_demo_media_to_cache_to_cp_training(tmp_path: Path) -> None:
     assert "16 ok" in out and "0 bad" in out
     manifest = json.loads((cache / "manifest.json").read_text())
     assert manifest["family"] == "wan" and len(list((cache / "samples").glob("*.safetensors"))) == 16
+    # wandb as the demo runs it (offline)
     _run("-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu.yaml", "--num_processes", "2",
          "train/finetune.py", "--recipe", "recipes/demo.yaml", *paths, f"--set=output_dir={run}",
-         "--set=logging.wandb_mode=disabled", "--set=logging.progress_bar=false")  # fmt: skip
+         "--set=logging.progress_bar=false")  # fmt: skip
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 100
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
@@ -40,5 +41,10 @@ def test_demo_media_to_cache_to_cp_training(tmp_path: Path) -> None:
     # the demo's validation samples (train/validation.py; decoded and compared in tests/test_validation.py) + report
     samples = {p.relative_to(run / "samples").as_posix() for p in (run / "samples").glob("step_*/*.mp4")}
     assert samples == {f"step_{s}/{i}.mp4" for s in (0, 50, 100) for i in (0, 1)}
-    assert (run / "report.md").is_file()
+    assert (run / "report.md").is_file() and len(list((run / "report").glob("*.png"))) == 5  # report.md + its plots
+    # the offline wandb run holds the same samples and the report's charts as logged media
+    (wandb_run,) = (run / "wandb").glob("offline-run-*")
+    media = wandb_run / "files" / "media"
+    assert len(list((media / "videos" / "validation").glob("*.mp4"))) == 6
+    assert len(list((media / "images" / "report").glob("*.png"))) == 5
     assert json.loads((run / "layout.json").read_text())["gradient_reduction"].startswith("fsdp2: SUM over cp=2")
