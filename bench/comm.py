@@ -118,7 +118,7 @@ def _rank_fn(rank: int, world: int) -> list[dict]:
 
     from train.cp import install_ulysses_anything_backward
     from train.cp.layout import LayoutRegistry
-    from train.cp.ulysses import uninstall_ulysses_anything_backward
+    from train.cp.patch import stock_diffusers
 
     install_ulysses_anything_backward()
     cfg_any, cfg_even = parallel_config(world, anything=True), parallel_config(world, anything=False)
@@ -172,16 +172,13 @@ def _rank_fn(rank: int, world: int) -> list[dict]:
                 bwd = {s: list(v) for s, v in c.sites.items()}
             records.append(dict(impl="diffusers Ulysses (even)", case=label, fwd=fwd, bwd=bwd, min=minimum))
         # diffusers' stock Ulysses-Anything: forward only (head padding included in the bytes).
-        uninstall_ulysses_anything_backward()
-        try:
+        with stock_diffusers():
             q, k, v, _, _ = _inputs(S, H, None, rank, world, seed)
             with torch.no_grad(), _StockCounter().active() as c:
                 attn(q, k, v, None, cfg_any)
                 fwd = {s: list(v) for s, v in c.sites.items()}
             records.append(dict(impl="diffusers Ulysses-Anything (fwd only)", case=label, fwd=fwd, bwd=None,
                                 min=minimum))  # fmt: skip
-        finally:
-            install_ulysses_anything_backward()
     return records + _model_records(rank, world)
 
 
@@ -189,11 +186,11 @@ MODELS = ("wan", "flux")
 
 
 def _model_records(rank: int, world: int) -> list[dict]:
-    """One forward + backward of the tiny Wan / Flux (tests/tiny_models.py: 7 heads, odd token counts) under CP."""
+    """One forward + backward of the tiny Wan / Flux (train/tools/tiny_models.py: 7 heads, odd tokens) under CP."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tests.tiny_models import build_inputs, build_model, make_loss, output_tensors
     from train.cp import enable_context_parallel
+    from train.tools.tiny_models import build_inputs, build_model, make_loss, output_tensors
 
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses"))
     records = []
@@ -212,7 +209,7 @@ def _model_records(rank: int, world: int) -> list[dict]:
 
 
 def _model_rows(world: int, merged: list[dict]) -> list[list]:
-    from tests.tiny_models import tiny_config, token_counts
+    from train.tools.tiny_models import tiny_config, token_counts
 
     rows = []
     for m in merged:
@@ -321,10 +318,8 @@ def _ring_rank_fn(rank: int, world: int) -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from train.cp import ContextParallelState, install_ulysses_anything_backward
-    from train.cp.ring import install_ring_attention
 
-    install_ulysses_anything_backward()
-    install_ring_attention()
+    install_ulysses_anything_backward()  # Ulysses, ring and ring x Ulysses
     records = []
     for ring, uly in LAYOUTS[world]:
         mesh = init_device_mesh("cpu", (ring, uly), mesh_dim_names=("ring", "ulysses"))
@@ -381,7 +376,7 @@ def _ring_rows(world: int, merged: list[dict]) -> list[list]:
 
 def ring_table() -> str:
     """The ring / hybrid / Ulysses comparison, as printed by `python -m bench.comm` (its second section)."""
-    from tests.distributed import run_distributed
+    from train.tools.spawn import run_distributed
 
     headers = ["N", "layout", "case", "fwd collectives", "fwd all-to-all", "fwd ring P2P", "fwd other",
                "fwd payload vs min", "bwd collectives", "bwd all-to-all", "bwd ring P2P", "bwd other",
@@ -393,7 +388,7 @@ def ring_table() -> str:
 
 
 def main() -> None:
-    from tests.distributed import run_distributed
+    from train.tools.spawn import run_distributed
 
     t0 = time.perf_counter()
     print(header("Collectives and bytes per attention layer (forward + backward)"))

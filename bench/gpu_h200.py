@@ -8,7 +8,7 @@ rank attends over all S tokens with H/N heads. Per N, forward + backward of one 
 - `sdpa`: plain `F.scaled_dot_product_attention` on (1, H/N, S, D) (the floor: no layout work at all);
 - `backend op`: diffusers' `_native_flash` forward/backward ops on (1, S, H/N, D) (what our CP path calls; it
   transposes to (B, H, S, D) and back internally);
-- `layout`: our packing copies alone, the real `_seq_to_heads` / `_heads_to_seq` of `train.cp.ulysses` with the
+- `layout`: our packing copies alone, the real `seq_to_heads` / `heads_to_seq` of `train.cp.a2a` with the
   layout of rank 0 at degree N and a loopback transport (the all-to-all returns its send buffer: no communication,
   only the copies a rank does): Q/K/V and dO in, O and dQ/dK/dV out;
 - `layout + op`: their sum = the local work of our Ulysses-Anything attention per rank, without the wire;
@@ -220,7 +220,11 @@ def attention_part(device: torch.device, shapes: dict) -> None:
 def _attention_case(N, S, H, D, device, fwd_op, bwd_op, group_error, cells: list) -> None:
     """Fills `cells` as it goes, so a case that fails half-way still reports what it measured."""
     from train.cp import ContextParallelState
-    from train.cp.ulysses import UlyssesAnythingAttention, _heads_to_seq, _Layout, _seq_to_heads, split_sizes
+    from train.cp.a2a import Layout as _Layout
+    from train.cp.a2a import heads_to_seq as _heads_to_seq
+    from train.cp.a2a import seq_to_heads as _seq_to_heads
+    from train.cp.layout import split_sizes
+    from train.cp.ulysses import UlyssesAnythingAttention
 
     h, s_local = H // N, S // N
     assert H % N == 0 and S % N == 0, "even shapes only"

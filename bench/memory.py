@@ -117,8 +117,8 @@ def _rank_fn(rank: int, world: int, cases: tuple[tuple[str, str], ...] = CASES) 
     """Saved bytes per (size, model) on this rank; world 1 is the serial run (no process group needed)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tests.tiny_models import build_inputs, build_model, make_loss, output_tensors
     from train.cp import enable_context_parallel
+    from train.tools.tiny_models import build_inputs, build_model, make_loss, output_tensors
 
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses")) if world > 1 else None
     results = {}
@@ -143,7 +143,7 @@ def _rank_fn(rank: int, world: int, cases: tuple[tuple[str, str], ...] = CASES) 
 
 def _shape(size: str, name: str) -> str:
     if size == "tiny":
-        from tests.tiny_models import tiny_config, token_counts
+        from train.tools.tiny_models import tiny_config, token_counts
 
         cfg = tiny_config(name)
         layers = cfg["num_layers"] + cfg.get("num_single_layers", 0)
@@ -156,7 +156,7 @@ def _shape(size: str, name: str) -> str:
 
 
 def main() -> None:
-    from tests.distributed import run_distributed
+    from train.tools.spawn import run_distributed
 
     t0 = time.perf_counter()
     print(header("Activation bytes saved for backward, per rank"))

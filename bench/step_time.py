@@ -155,7 +155,7 @@ def _rank_fn(rank: int, world: int) -> dict:
 
 
 def main() -> None:
-    from tests.distributed import run_distributed
+    from train.tools.spawn import run_distributed
 
     t0 = time.perf_counter()
     print(header("Step time: ours (Ulysses-Anything, trainable) vs diffusers' even Ulysses"))

@@ -1,23 +1,30 @@
-"""Bad inputs through the real entry points: every user error is one `error:` line with cause and fix, fast.
+"""Bad inputs: every user error is one `error:` line with cause and fix, exit code 2, fast.
 
-Each case runs `accelerate launch ... train/finetune.py` (1 process, a few with 2), `python -m train.prepare` or
-`python -m train.estimate` on a broken recipe, path, cache or checkpoint, and asserts:
+One table of cases (a broken recipe, path, cache, plan, checkpoint, ...), checked two ways:
 
-* the exit code: 2 (a user error); under `accelerate launch` the launcher itself exits 1 (torchrun's ChildFailedError,
-  whatever the rank's code), so there the rank's code 2 is read from the launcher's failure summary;
-* exactly one `error:` line (argparse's own usage errors read `prog: error:`), holding the expected words;
-* no traceback through our code (the launcher's own ChildFailedError traceback names only torch/accelerate frames);
-* the time to fail, under TIME_LIMIT_S on this loaded 2-core machine.
+* every case in-process (`test_message_in_process`): what the entry point calls before the error, called here —
+  the trainer's `parse_args` (recipe, `--set`, degrees against `WORLD_SIZE`, paths, model config, tokens), then what
+  its `main()` calls in order up to its first step (the dataset and cache, the memory estimate, the CP plan file and
+  the pretrained weights as `build_model` reads them, resume's recipe check and checkpoint verification) on a 1-rank
+  gloo group; `train.prepare`'s and `train.estimate`'s own `main`. The error must be a `UserError` (argparse's usage
+  errors: its exit 2) whose line, as `train.errors.report` prints it, holds the expected words, in one line (several
+  problems of one file: indented continuation lines);
+* one representative case per way an error is delivered through the real entry point (`test_entry_point`: `python
+  -m train.launch ... train/finetune.py`, 1 or 2 processes, the 2-process ones where the error arises after the process
+  group exists; `python -m train.prepare`, `python -m train.estimate`): exit code 2 (train.launch exits with the
+  rank's code), exactly one `error:` line (argparse's read `prog: error:`) holding the words, no traceback (ours or
+  the launcher's), within TIME_LIMIT_S on this loaded 2-core machine.
 
-`pytest -s tests/test_bad_inputs.py` prints the table (case, exit code, seconds, message). Shared setup, built once:
-a tiny wan pipeline + two clips + their cache (train.demo + train.prepare, ~20 s) and a 2-step run with a checkpoint.
-The cases run one after another: each launch imports torch and diffusers (seconds of CPU), and the machine has 2 cores.
+`pytest -s tests/test_bad_inputs.py` prints the table (case, how, exit code, seconds, message). Shared setup, built
+once in-process: the session's tiny wan pipeline, two clips and their cache (train.demo + train.prepare) and broken
+copies; the resume cases use copies of the checkpointed 4-step serial LoRA run that tests/test_finetune.py and
+tests/test_resume.py share (`runs`, identical overrides).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -28,35 +35,40 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-TIME_LIMIT_S = 40.0
+from tests.harness import REPO, env, launch_command
+
+TIME_LIMIT_S = 120.0  # generous for a loaded 2-core machine; measured ~3-25 s each when idle (the table prints them)
 ERROR_LINE = re.compile(r"^(?:[\w./-]+: )?error: ", re.M)  # ours, or argparse's `prog: error:`
 OUR_FRAME = re.compile(r'File "(?:[^"]*/)?train/[^"]*\.py"')  # a traceback frame in our package
-TABLE: list[tuple[str, int, float, str]] = []
+TABLE: list[tuple[str, str, int, float, str]] = []
 
 TINY = "recipes/tiny/wan.yaml"
 QUIET = ("logging.wandb_mode=disabled", "logging.progress_bar=false", "train.max_steps=2")
+# The serial tiny-wan LoRA run (4 steps, a checkpoint after each, the last 3 kept) shared with tests/test_finetune.py
+# and tests/test_resume.py: identical overrides, one launch per session.
+SERIAL = ("parallel.cp=1", "checkpoint.every_n_steps=1", "checkpoint.keep_last=3")
 
 
 @dataclass
 class Case:
     id: str
     entry: str  # train | prepare | estimate
-    args: tuple[str, ...]  # after the entry point; {cache}, {pipe}, {media}, {tmp}, {ckpt_run} are filled in
+    args: tuple[str, ...]  # after the entry point; {cache}, {pipe}, {media}, {tmp}, {ckpt_run}, ... are filled in
     words: tuple[str, ...]  # expected (case-insensitive) in the one error line
     nproc: int = 1
     recipe: str | None = TINY  # --recipe (None: the case passes its own, or none)
     sets: tuple[str, ...] = ()  # --set overrides
     env: dict[str, str] = field(default_factory=dict)
     launcher: tuple[str, ...] = ()  # extra `accelerate launch` options
+    launch: bool = False  # the representative of its error source through the real entry point
 
 
-def train(id, *sets, words, nproc=1, recipe=TINY, **kw) -> Case:
+def trainer(id, *sets, words, nproc=1, recipe=TINY, **kw) -> Case:
     base = (*QUIET, "output_dir={tmp}/out") + (("parallel.cp=1",) if nproc == 1 and recipe == TINY else ())
     return Case(id, "train", (), words, nproc=nproc, recipe=recipe, sets=(*base, *sets), **kw)
 
 
-def prepare(id, *sets, words, recipe="recipes/demo.yaml", **kw) -> Case:
+def preparer(id, *sets, words, recipe="recipes/demo.yaml", **kw) -> Case:
     base = (
         "model.pretrained_path={pipe}",
         "data.source={media}",
@@ -66,134 +78,144 @@ def prepare(id, *sets, words, recipe="recipes/demo.yaml", **kw) -> Case:
     return Case(id, "prepare", (), words, recipe=recipe, sets=(*base, *sets), **kw)
 
 
-CACHE = ("data.synthetic=null", "data.cache_dir={cache}")  # the tiny wan recipe on the shared tiny wan cache
 CASES = [
     # --- the recipe file and --set --------------------------------------------------------------------------------
-    train("unknown_key_set", "train.lrr=1", words=("train.lrr", "unknown key", "'lr'")),
-    train("unknown_key_file", words=("trian", "unknown key", "'train'"), recipe="{tmp}/typo.yaml"),
-    train("wrong_type", "train.max_steps=abc", words=("train.max_steps", "expected int", "'abc'")),
-    train("bool_for_int", "train.batch_size=true", words=("train.batch_size", "expected int", "true")),
-    train("set_without_value", "train.lr", words=("--set", "expected KEY=VALUE")),
-    train("set_bad_yaml", "train.betas=[0.9", words=("train.betas", "not valid YAML")),
-    train("set_into_scalar", "train.lr.x=1", words=("train.lr", "has no sub-keys")),
-    train("missing_recipe_file", words=("cannot read recipe", "nope.yaml"), recipe="{tmp}/nope.yaml"),
-    train("recipe_invalid_yaml", words=("invalid YAML",), recipe="{tmp}/broken.yaml"),
-    train("recipe_duplicate_key", words=("duplicate key 'lr'",), recipe="{tmp}/dup.yaml"),
-    train("recipe_not_a_mapping", words=("expected a mapping",), recipe="{tmp}/list.yaml"),
-    train("recipe_without_family", words=("model.family", "missing required key"), recipe="{tmp}/nofamily.yaml"),
-    train("no_recipe_argument", words=("--recipe", "required"), recipe=None),
-    train("unknown_family", "model.family=wann", words=("model.family", "did you mean 'wan'")),
-    train("bad_literal", "train.mixed_precision=fp16", words=("train.mixed_precision", "expected one of")),
-    train("negative_lr", "train.lr=-1", words=("train.lr", "must be > 0")),
-    train("lora_rank_0", "finetune.lora_rank=0", words=("finetune.lora_rank", ">= 1")),
-    train(
+    trainer("unknown_key_set", "train.lrr=1", words=("train.lrr", "unknown key", "'lr'")),
+    trainer("unknown_key_file", words=("trian", "unknown key", "'train'"), recipe="{tmp}/typo.yaml"),
+    trainer("wrong_type", "train.max_steps=abc", words=("train.max_steps", "expected int", "'abc'")),
+    trainer("bool_for_int", "train.batch_size=true", words=("train.batch_size", "expected int", "true")),
+    trainer("set_without_value", "train.lr", words=("--set", "expected KEY=VALUE")),
+    trainer("set_bad_yaml", "train.betas=[0.9", words=("train.betas", "not valid YAML")),
+    trainer("set_into_scalar", "train.lr.x=1", words=("train.lr", "has no sub-keys")),
+    trainer("missing_recipe_file", words=("cannot read recipe", "nope.yaml"), recipe="{tmp}/nope.yaml"),
+    trainer("recipe_invalid_yaml", words=("invalid YAML",), recipe="{tmp}/broken.yaml"),
+    trainer("recipe_duplicate_key", words=("duplicate key 'lr'",), recipe="{tmp}/dup.yaml"),
+    trainer("recipe_not_a_mapping", words=("expected a mapping",), recipe="{tmp}/list.yaml"),
+    trainer("recipe_without_family", words=("model.family", "missing required key"), recipe="{tmp}/nofamily.yaml"),
+    trainer("no_recipe_argument", words=("--recipe", "required"), recipe=None),
+    trainer("unknown_family", "model.family=wann", words=("model.family", "did you mean 'wan'")),
+    trainer("bad_literal", "train.mixed_precision=fp16", words=("train.mixed_precision", "expected one of")),
+    trainer("negative_lr", "train.lr=-1", words=("train.lr", "must be > 0")),
+    trainer("lora_rank_0", "finetune.lora_rank=0", words=("finetune.lora_rank", ">= 1")),
+    trainer(
         "export_lora_with_full",
         "finetune.method=full",
         "checkpoint.export=lora",
         words=("checkpoint.export", "finetune.method is full"),
     ),
-    train("bad_bucket", "data.buckets=[64x64]", words=("data.buckets[0]", "FRAMESxHEIGHTxWIDTH")),
-    train("betas_one_number", "train.betas=[0.9]", words=("train.betas", "two numbers")),
-    train("no_weights", "model.init_config=null", words=("pretrained_path", "init_config")),
-    train("two_problems_one_line", "train.lr=-1", "train.lrr=1", words=("2 problems", "train.lrr", "train.lr")),
+    trainer("bad_bucket", "data.buckets=[64x64]", words=("data.buckets[0]", "FRAMESxHEIGHTxWIDTH")),
+    trainer("betas_one_number", "train.betas=[0.9]", words=("train.betas", "two numbers")),
+    trainer("no_weights", "model.init_config=null", words=("pretrained_path", "init_config")),
+    trainer(
+        "two_problems_one_line",
+        "train.lr=-1",
+        "train.lrr=1",
+        words=("2 problems", "train.lrr", "train.lr"),
+        launch=True,  # the recipe/--set schema (train.config's preflight, before torch is imported)
+    ),
     # --- degrees --------------------------------------------------------------------------------------------------
-    train("cp_not_dividing_world", "parallel.cp=3", nproc=2, words=("world size 2", "cp (3)")),
-    train("dp_mismatch", "parallel.cp=2", "parallel.dp_shard=2", nproc=2, words=("dp_shard (2)", "world size is 2")),
-    train("dp_shard_zero", "parallel.dp_shard=0", words=("parallel.dp_shard", ">= 1 or -1")),
-    train("cp_on_one_process", "parallel.cp=2", words=("world size 1", "cp (2)")),
+    trainer("cp_not_dividing_world", "parallel.cp=3", nproc=2, words=("world size 2", "cp (3)"), launch=True),
+    trainer("dp_mismatch", "parallel.cp=2", "parallel.dp_shard=2", nproc=2, words=("dp_shard (2)", "world size is 2")),
+    trainer("dp_shard_zero", "parallel.dp_shard=0", words=("parallel.dp_shard", ">= 1 or -1")),
+    trainer("cp_on_one_process", "parallel.cp=2", words=("world size 1", "cp (2)")),
     # --- paths ----------------------------------------------------------------------------------------------------
-    train(
+    trainer(
         "pretrained_path_missing",
         "model.init_config=null",
         "model.pretrained_path={tmp}/no/such/pipeline",
         words=("model.pretrained_path", "no/such/pipeline", "does not exist"),
     ),
-    train(
+    trainer(
         "pretrained_path_without_config",
         "model.init_config=null",
         "model.pretrained_path={tmp}",
         words=("model.pretrained_path", "transformer/config.json"),
     ),
-    train(
+    trainer(
         "pretrained_hub_id_offline",
         "model.init_config=null",
         "model.pretrained_path=Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
         env={"HF_HUB_OFFLINE": "1"},
         words=("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "not a local folder", "hub id"),
     ),
-    train(
+    trainer(
         "pretrained_hub_id_unknown",
         "model.init_config=null",
         "model.pretrained_path=nosuchorg/nosuchmodel",
         words=("nosuchorg/nosuchmodel", "neither a local folder"),
     ),
-    train(
+    trainer(
         "cp_plan_missing",
         "parallel.cp=2",
         "model.cp_plan={tmp}/no_plan.yaml",
         nproc=2,
         words=("model.cp_plan", "no_plan.yaml"),
     ),
-    train(
+    trainer(
         "cp_plan_invalid",
         "parallel.cp=2",
         "model.cp_plan={tmp}/bad_plan.yaml",
         nproc=2,
         words=("bad_plan.yaml", "model_clas", "unknown key"),
+        # the plan file, read when CP is enabled on 2 ranks after the process group exists: the way the
+        # model-config, hub-id and token-count errors are delivered too (raised after the group exists, printed
+        # once); their messages are test_message_in_process's
+        launch=True,
     ),
-    train("output_dir_is_a_file", "output_dir={tmp}/typo.yaml", words=("output_dir", "is a file")),
-    train(
+    trainer("output_dir_is_a_file", "output_dir={tmp}/typo.yaml", words=("output_dir", "is a file")),
+    trainer(
         "accelerate_mixed_precision",
         launcher=("--mixed_precision", "bf16"),
         words=("--mixed_precision bf16", "train.mixed_precision"),
+        launch=True,  # an `accelerate launch` option the recipe owns
     ),
     # --- model and shapes -----------------------------------------------------------------------------------------
-    train(
+    trainer(
         "init_config_typo",
         "model.init_config.num_layer=1",
         words=("model.init_config", "'num_layer'", "did you mean 'num_layers'"),
     ),
-    train(
+    trainer(
         "init_config_typo_cp2",
         "parallel.cp=2",
         "model.init_config.atention_head_dim=8",
         nproc=2,
         words=("model.init_config", "'atention_head_dim'"),
     ),
-    train(
+    trainer(
         "cp_more_than_tokens",
         "parallel.cp=2",
         "data.synthetic.shapes.latents=[4,1,2,2]",
         nproc=2,
         words=("parallel.cp=2", "1 transformer token"),
     ),
-    train(
+    trainer(
         "synthetic_shapes_missing_key",
         "data.synthetic.shapes={{latents: [4, 5, 2, 14]}}",
         words=("data.synthetic.shapes", "prompt_embeds"),
     ),
     # --- data and cache -------------------------------------------------------------------------------------------
-    train("synthetic_and_cache", "data.cache_dir={cache}", words=("data.synthetic", "data.cache_dir")),
-    train("no_data", "data.synthetic=null", words=("data.cache_dir", "data.synthetic")),
-    train(
+    trainer("synthetic_and_cache", "data.cache_dir={cache}", words=("data.synthetic", "data.cache_dir")),
+    trainer("no_data", "data.synthetic=null", words=("data.cache_dir", "data.synthetic"), launch=True),
+    trainer(
         "cache_dir_missing",
         "data.synthetic=null",
         "data.cache_dir={tmp}/no_cache",
         words=("data.cache_dir", "no_cache", "does not exist"),
     ),
-    train(
+    trainer(
         "cache_unfinished",
         "data.synthetic=null",
         "data.cache_dir={tmp}/unfinished",
         words=("manifest.json", "did not finish"),
     ),
-    train(
+    trainer(
         "cache_manifest_not_json",
         "data.synthetic=null",
         "data.cache_dir={tmp}/badjson",
         words=("manifest.json", "not valid JSON"),
     ),
-    train(
+    trainer(
         "cache_other_family",
         "data.synthetic=null",
         "data.cache_dir={cache}",
@@ -201,85 +223,98 @@ CASES = [
         recipe="recipes/tiny/flux.yaml",
         words=("wan", "flux"),
     ),
-    train(
+    trainer(
         "cache_sample_missing",
         "data.synthetic=null",
         "data.cache_dir={tmp}/nosample",
         words=("000001.safetensors", "missing"),
     ),
-    train(
-        "cache_sample_truncated", "data.synthetic=null", "data.cache_dir={tmp}/truncated", words=("000000.safetensors",)
+    trainer(
+        "cache_sample_truncated",
+        "data.synthetic=null",
+        "data.cache_dir={tmp}/truncated",
+        nproc=2,
+        words=("000000.safetensors",),
+        launch=True,  # the cache: checked when the dataset is built, on 2 ranks after the process group exists
     ),
     # --- resume ---------------------------------------------------------------------------------------------------
+    Case(
+        "resume_changed_model_and_lr",  # a checkpoint resumed onto fewer layers once dropped its weights silently
+        "train",
+        ("--resume",),
+        ("model.init_config", "train.lr"),
+        sets=(*SERIAL, "output_dir={ckpt_run}", "model.init_config.num_layers=1", "train.lr=0.01"),
+        launch=True,
+    ),
     Case(
         "resume_changed_lora_rank",
         "train",
         ("--resume",),
         ("finetune.lora_rank",),
-        sets=(*QUIET, "parallel.cp=1", "output_dir={ckpt_run}", "finetune.lora_rank=8"),
+        sets=(*SERIAL, "output_dir={ckpt_run}", "finetune.lora_rank=8"),
     ),
     Case(
         "resume_corrupt_only_checkpoint",
         "train",
         ("--resume",),
-        ("checkpoint",),
-        sets=(*QUIET, "parallel.cp=1", "output_dir={corrupt_run}", "train.max_steps=3"),
+        ("checkpoint", "verifies"),
+        sets=(*SERIAL, "output_dir={corrupt_run}"),
     ),
     # --- train.prepare --------------------------------------------------------------------------------------------
-    prepare("prepare_unknown_key", "data.sourc=x", words=("data.sourc", "did you mean 'source'")),
-    prepare(
-        "prepare_source_missing",
-        "data.source={tmp}/no_media",
-        words=("no_media",),
+    preparer("prepare_unknown_key", "data.sourc=x", words=("data.sourc", "did you mean 'source'")),
+    preparer("prepare_source_missing", "data.source={tmp}/no_media", words=("no_media",)),
+    preparer(
+        "prepare_malformed_metadata",
+        "data.source={tmp}/badmeta",
+        words=("metadata.jsonl:2", "not valid JSON"),
+        launch=True,
     ),
-    prepare("prepare_malformed_metadata", "data.source={tmp}/badmeta", words=("metadata.jsonl:2", "not valid JSON")),
-    prepare(
-        "prepare_pretrained_missing",
-        "model.pretrained_path={tmp}/no_pipe",
-        words=("no_pipe",),
-    ),
-    # --- train.estimate -------------------------------------------------------------------------------------------
+    preparer("prepare_pretrained_missing", "model.pretrained_path={tmp}/no_pipe", words=("no_pipe",)),
+    # --- train.estimate: the CLI, and the trainer's startup check on 2 ranks (after the process group exists) -------
     Case("estimate_unknown_key", "estimate", (), ("train.lrr", "unknown key"), sets=("train.lrr=1",)),
-    Case("estimate_bad_gpu_memory", "estimate", ("--gpu-memory", "lots"), ("--gpu-memory", "80GiB")),
+    Case("estimate_bad_gpu_memory", "estimate", ("--gpu-memory", "lots"), ("--gpu-memory", "80GiB"), launch=True),
+    trainer(
+        "startup_memory_refused",
+        "parallel.device_memory_gib=0.0001",
+        nproc=2,
+        words=("predicted peak per rank", "parallel.memory_check: warn"),
+        launch=True,
+    ),
 ]
+RESUME = {"{ckpt_run}", "{corrupt_run}"}  # cases that need the shared checkpointed run (a launch: slow tier)
+
+
+def _needs_run(case: Case) -> bool:
+    return any(k in s for s in case.sets for k in RESUME)
 
 
 def _fill(text: str, where: dict[str, Path]) -> str:
     return text.format(**{k: str(v) for k, v in where.items()})
 
 
-def _command(case: Case, where: dict[str, Path]) -> list[str]:
+def _argv(case: Case, where: dict[str, Path]) -> list[str]:
+    """The entry point's own arguments (after the script or module)."""
     args = [_fill(a, where) for a in case.args]
     if case.recipe is not None:
         args += ["--recipe", _fill(case.recipe, where)]
     for s in case.sets:
         args += ["--set", _fill(s, where)]
-    if case.entry == "train":
-        # the launch scripts' entry: accelerate launch, exiting with the failed rank's code and no launcher traceback
-        return [sys.executable, "-m", "train.launch", "--config_file", "configs/accelerate/cpu.yaml",
-                "--num_processes", str(case.nproc), *case.launcher, "train/finetune.py", *args]  # fmt: skip
-    return [sys.executable, "-m", f"train.{case.entry}", *args]
-
-
-def _run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", **(env or {})}
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _ok(cmd: list[str]) -> None:
-    proc = _run(cmd)
-    assert proc.returncode == 0, f"setup failed: {' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return args
 
 
 @pytest.fixture(scope="module")
-def where(tmp_path_factory) -> dict[str, Path]:
-    """The shared inputs, built once: a tiny wan pipeline, two clips, their cache, broken copies, a checkpoint."""
+def where(tmp_path_factory, tiny_pipeline) -> dict[str, Path]:
+    """The shared inputs, built once in this process: the session's tiny wan pipeline, two clips, their cache, broken
+    copies."""
+    from train import demo
+    from train import prepare as prep
+
     tmp = tmp_path_factory.mktemp("bad_inputs")
-    pipe, media, cache = tmp / "assets" / "pipe", tmp / "assets" / "media", tmp / "assets" / "cache"
-    demo = ["--recipe", "recipes/demo.yaml", f"--set=model.pretrained_path={pipe}", f"--set=data.source={media}",
-            f"--set=data.cache_dir={cache}", "--set=logging.progress_bar=false"]  # fmt: skip
-    _ok([sys.executable, "-m", "train.demo", *demo, "--clips", "2"])
-    _ok([sys.executable, "-m", "train.prepare", *demo])
+    pipe, media, cache = tiny_pipeline("wan"), tmp / "assets" / "media", tmp / "assets" / "cache"
+    assets = ["--recipe", "recipes/demo.yaml", f"--set=model.pretrained_path={pipe}", f"--set=data.source={media}",
+              f"--set=data.cache_dir={cache}", "--set=logging.progress_bar=false"]  # fmt: skip
+    demo.main([*assets, "--clips", "2"])
+    prep.main(assets)
     (tmp / "typo.yaml").write_text((REPO / TINY).read_text().replace("\ntrain:", "\ntrian:"))
     (tmp / "broken.yaml").write_text("model: [wan\n")
     (tmp / "dup.yaml").write_text("model: {family: wan}\ntrain:\n  lr: 1.0e-3\n  lr: 2.0e-3\n")
@@ -300,31 +335,169 @@ def where(tmp_path_factory) -> dict[str, Path]:
     (tmp / "badmeta" / "metadata.jsonl").write_text(
         "\n".join([lines[0], '{"file_name": "x.mp4", "text": ', *lines[2:]])
     )
-    # A 2-step LoRA run with a checkpoint at each step (resume cases), and a copy whose only checkpoint is truncated.
-    ckpt_run, corrupt_run = tmp / "ckpt_run", tmp / "corrupt_run"
-    w = {"tmp": tmp, "pipe": pipe, "media": media, "cache": cache, "ckpt_run": ckpt_run, "corrupt_run": corrupt_run}
-    _ok(
-        _command(
-            train("setup", "checkpoint.every_n_steps=1", "checkpoint.keep_last=1", "output_dir={ckpt_run}", words=()), w
-        )
-    )
-    shutil.copytree(ckpt_run, corrupt_run)
-    shards = sorted(p for p in (corrupt_run / "checkpoints").rglob("*") if p.is_file() and p.suffix == ".distcp")
-    assert shards, sorted((corrupt_run / "checkpoints").rglob("*"))
-    shards[0].write_bytes(shards[0].read_bytes()[: shards[0].stat().st_size // 2])
-    return w
+    return {"tmp": tmp, "pipe": pipe, "media": media, "cache": cache}
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
-def test_bad_input_is_one_line(case: Case, where: dict[str, Path]) -> None:
-    cmd = _command(case, where)
+def _with_checkpoints(case: Case, where: dict[str, Path], request: pytest.FixtureRequest) -> dict[str, Path]:
+    """`where` plus, for a resume case, copies of the shared checkpointed run: as it is, and with only its newest
+    checkpoint, one of whose shards is truncated."""
+    if not _needs_run(case):
+        return where
+    key = f"checkpointed:{case.id}"
+    root = where["tmp"] / key.replace(":", "_")
+    if not root.exists():
+        run = request.getfixturevalue("runs")(TINY, *SERIAL)
+        ckpt_run, corrupt_run = root / "ckpt_run", root / "corrupt_run"
+        shutil.copytree(run.out, ckpt_run)
+        shutil.copytree(run.out, corrupt_run)
+        *older, newest = sorted((corrupt_run / "checkpoints").glob("step_*"))
+        for path in older:
+            shutil.rmtree(path)
+        shards = sorted(newest.rglob("*.distcp"))
+        assert shards, sorted(newest.rglob("*"))
+        shards[0].write_bytes(shards[0].read_bytes()[: shards[0].stat().st_size // 2])
+    return {**where, "ckpt_run": root / "ckpt_run", "corrupt_run": root / "corrupt_run"}
+
+
+# ------------------------------------------------------------------------------------------------------ in-process
+
+
+@contextlib.contextmanager
+def _one_rank_group(tmp: Path):
+    """A 1-rank gloo group standing in for the job's (build_model's fetch and restore's verification are
+    collectives)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory(dir=tmp) as d:
+        dist.init_process_group("gloo", init_method=f"file://{d}/pg", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def _trainer_error(argv: list[str], world: int, tmp: Path) -> BaseException:
+    """What train/finetune.py calls before its first step, in its order, until one raises: `parse_args` (what the
+    entry point's `preflight` checks, and the model's config and tokens), then main()'s data (`build_dataset`,
+    `check_text_lengths`) and memory check (`startup_check`), the CP plan file (`load_plan_file`, as CP is enabled) and
+    the pretrained weights' folder (`pretrained_folder`) as build_model reads them, and resume's recipe check
+    (`plan_resume` against the newest checkpoint's `read_trainer_state`) and checkpoint verification (`restore`)."""
+    import torch
+
+    from train.checkpoint import complete_checkpoints, read_trainer_state, restore
+    from train.config import recipe_to_dict
+    from train.cp.plans import load_plan_file
+    from train.data.batches import build_dataset, check_text_lengths
+    from train.estimate import startup_check
+    from train.finetune import parse_args
+    from train.modeling import family_spec, pretrained_folder
+    from train.models import cache_reads
+    from train.resume import plan_resume
+
+    try:
+        recipe, args = parse_args(argv)
+        spec, m = family_spec(recipe.model), recipe.model
+        check_text_lengths(build_dataset(recipe, spec, cache_reads(spec.name)), spec, recipe)
+        with _one_rank_group(tmp):
+            startup_check(recipe, world, torch.device("cpu"))
+            if recipe.parallel.cp > 1 and m.cp_plan is not None:
+                load_plan_file(m.cp_plan)
+            if m.init_config is None and m.sharded_load and recipe.parallel.fsdp:
+                pretrained_folder(m)
+            found = complete_checkpoints(recipe.output_dir) if args.resume else []
+            if found:
+                saved = read_trainer_state(found[-1])
+                dp_replicate, dp_shard, cp = recipe.parallel.resolve(world)
+                plan_resume(saved["recipe"], recipe_to_dict(recipe), reset_lr_schedule=args.reset_lr_schedule,
+                            saved_layout=saved["layout"], layout={"dp_replicate": dp_replicate, "dp_shard": dp_shard,
+                            "cp": cp}, checkpoint=str(found[-1]))  # fmt: skip
+                restore(recipe.output_dir, None)  # verifies before it loads: a damaged one raises first
+    except (ValueError, SystemExit) as e:  # UserError is a ValueError; argparse's usage error exits
+        return e
+    raise AssertionError(f"no error from {argv}")
+
+
+def _in_process(case: Case, where: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> BaseException:
+    argv = _argv(case, where)
+    for k, v in case.env.items():
+        monkeypatch.setenv(k, v)
+    if case.env.get("HF_HUB_OFFLINE") == "1":  # huggingface_hub reads it at import
+        import huggingface_hub.constants
+
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    if case.entry == "train":
+        monkeypatch.setenv("WORLD_SIZE", str(case.nproc))  # as the launcher sets it for each rank
+        if "--mixed_precision" in case.launcher:  # what `accelerate launch --mixed_precision X` exports to its ranks
+            precision = case.launcher[case.launcher.index("--mixed_precision") + 1]
+            monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", precision)
+        return _trainer_error(argv, case.nproc, where["tmp"])
+    from train import estimate, prepare
+
+    try:
+        (prepare.main if case.entry == "prepare" else estimate.main)(argv)
+    except (ValueError, SystemExit) as e:  # prepare reports its own line and exits 2; estimate's __main__ prints it
+        return e
+    raise AssertionError(f"no error from {case.entry} {argv}")
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=c.id, marks=[pytest.mark.slow] if _needs_run(c) else []) for c in CASES]
+)
+def test_message_in_process(
+    case: Case, where: dict[str, Path], monkeypatch, capsys, request: pytest.FixtureRequest
+) -> None:
+    """The case's error in this process: a UserError (or argparse's exit 2), printed by `train.errors.report` as one
+    `error:` line (continuation lines indented) holding the words."""
+    from train.errors import UserError, report
+
+    paths = _with_checkpoints(case, where, request)
+    capsys.readouterr()
     t0 = time.perf_counter()
-    proc = _run(cmd, case.env)
+    error = _in_process(case, paths, monkeypatch)
+    seconds = time.perf_counter() - t0
+    if isinstance(error, SystemExit):  # argparse (or train.prepare, which reported the UserError itself)
+        code, err = error.code, capsys.readouterr().err
+    else:
+        assert isinstance(error, UserError) or case.entry == "estimate", f"not a UserError: {error!r}"
+        code = report(error if isinstance(error, UserError) else UserError(str(error)), rank=0)
+        err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if ERROR_LINE.match(line)]
+    TABLE.append((case.id, "in-process", code, seconds, lines[0] if len(lines) == 1 else f"<{len(lines)} lines>"))
+    assert code == 2, (code, err[-3000:])
+    assert len(lines) == 1, err[-3000:]
+    message = re.search(re.escape(lines[0]) + r"(?:\n  .*)*", err).group(0)
+    missing = [w for w in case.words if w.lower() not in message.lower()]
+    assert not missing, f"error message lacks {missing}: {message}"
+
+
+# --------------------------------------------------------------------------------------------- through the entry point
+
+
+def _command(case: Case, where: dict[str, Path]) -> list[str]:
+    if case.entry != "train":
+        return [sys.executable, "-m", f"train.{case.entry}", *_argv(case, where)]
+    # train.launch (what launch/*.sh run) through the harness's command line; accelerate's own options before the script
+    sets, args = [_fill(s, where) for s in case.sets], [_fill(a, where) for a in case.args]
+    cmd = launch_command(None, _fill(case.recipe, where), *sets, nproc=case.nproc, extra=args)
+    script = cmd.index("train/finetune.py")
+    return [*cmd[:script], *case.launcher, *cmd[script:]]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES if c.launch])
+def test_entry_point(case: Case, where: dict[str, Path], launcher, request: pytest.FixtureRequest) -> None:
+    paths = _with_checkpoints(case, where, request)
+    before = (paths["ckpt_run"] / "metrics.jsonl").read_text() if _needs_run(case) else None
+    t0 = time.perf_counter()
+    proc = subprocess.run(_command(case, paths), cwd=REPO, env=env(**case.env), capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
     seconds = time.perf_counter() - t0
     out = proc.stdout + proc.stderr
     lines = [line for line in proc.stderr.splitlines() if ERROR_LINE.match(line)]
     code = proc.returncode
-    TABLE.append((case.id, code, seconds, lines[0] if len(lines) == 1 else f"<{len(lines)} error lines>"))
+    shown = lines[0] if len(lines) == 1 else f"<{len(lines)} error lines>"
+    TABLE.append((case.id, f"launched ×{case.nproc}", code, seconds, shown))
     assert code == 2, f"exit code {code}\n{out[-4000:]}"
     assert len(lines) == 1, f"expected one error line, got {lines}\n{out[-4000:]}"
     # The message: the error line and its indented continuation (several problems in one file, one line each).
@@ -334,11 +507,15 @@ def test_bad_input_is_one_line(case: Case, where: dict[str, Path]) -> None:
     assert not OUR_FRAME.search(out), f"a traceback through our code:\n{out[-4000:]}"
     assert "Traceback" not in out, out[-4000:]  # nor the launcher's
     assert seconds < TIME_LIMIT_S, f"{seconds:.1f} s to fail"
+    if before is not None:  # a refused resume leaves the run as it was
+        assert (paths["ckpt_run"] / "metrics.jsonl").read_text() == before
 
 
 def teardown_module() -> None:
     if TABLE:
-        print(f"\n{'case':36} {'exit':>4} {'s':>6}  message")
-        for case, code, seconds, line in TABLE:
-            print(f"{case:36} {code:>4} {seconds:6.1f}  {line[:150]}")
-        print(json.dumps({"cases": len(TABLE), "max_s": round(max(t for _, _, t, _ in TABLE), 1)}))
+        print(f"\n{'case':36} {'how':12} {'exit':>4} {'s':>6}  message")
+        for case, how, code, seconds, line in TABLE:
+            print(f"{case:36} {how:12} {code:>4} {seconds:6.1f}  {line[:150]}")
+        launched = [t for _, how, _, t, _ in TABLE if how.startswith("launched")]
+        print(json.dumps({"cases": len({c for c, *_ in TABLE}), "launched": len(launched),
+                          "max_launched_s": round(max(launched, default=0.0), 1)}))  # fmt: skip

@@ -8,9 +8,25 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from bench import comm, memory
+from tests.harness import rank_job
+
 REPO = Path(__file__).resolve().parents[1]
+MEMORY_CASES = (("mid", "wan"), ("mid", "flux"))
+# The benchmarks' own rank functions, run in the shared process groups (they count bytes and calls, not a process's
+# resident memory, so sharing a process is exact).
+rank_job(2, 4)(comm._rank_fn)
+rank_job(4)(comm._ring_rank_fn)
 
 
+@rank_job(4)
+def _memory_cp4(rank: int, world: int) -> dict:
+    return memory._rank_fn(rank, world, MEMORY_CASES)
+
+
+@pytest.mark.slow
 def test_gpu_script_smoke_runs_on_cpu() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "bench.gpu_h200", "--smoke"], cwd=REPO, env=env, capture_output=True,
@@ -21,32 +37,27 @@ def test_gpu_script_smoke_runs_on_cpu() -> None:
     assert "| native | 0.0e+00 | 0.0e+00 | ok |" in proc.stdout  # the backend check ran (only native on CPU)
 
 
-def test_activation_memory_at_cp4_meets_the_target() -> None:
+def test_activation_memory_at_cp4_meets_the_target(group) -> None:
     """Issue 5's target, measured here by bench/memory.py itself: at CP 4 a rank saves ≤ 30% of the serial run's
     activation bytes, in the transformer blocks and in all. Mid-size Wan and Flux (4 blocks, 8x32 heads, 3072 media
     tokens), one forward each: ~25 s. Byte counts, not timings, so the result is exact: 0.260 / 0.244 (blocks) and
     0.264 / 0.250 (total) when written; ideal 1/4."""
-    from bench.memory import _rank_fn
-    from tests.distributed import run_distributed
-
-    cases = (("mid", "wan"), ("mid", "flux"))
-    serial = _rank_fn(0, 1, cases)  # CP 1: in this process, no process group
-    cp4 = run_distributed(_rank_fn, 4, cases)
-    for key in cases:
+    serial = memory._rank_fn(0, 1, MEMORY_CASES)  # CP 1: in this process, no process group
+    cp4 = group(_memory_cp4, 4)
+    for key in MEMORY_CASES:
         blocks = max(r[key]["blocks"] for r in cp4) / serial[key]["blocks"]
         total = max(r[key]["blocks"] + r[key]["rest"] for r in cp4) / (serial[key]["blocks"] + serial[key]["rest"])
         assert blocks <= 0.30 and total <= 0.30, (key, blocks, total)
 
 
-def test_comm_benchmark_meets_the_targets() -> None:
+def test_comm_benchmark_meets_the_targets(group) -> None:
     """Issue 5's acceptance, from the benchmark's own records: per attention layer forward + backward, ours issues 4
     collectives (no size exchange, a split key mask included, lengths the registry can only bound included) and moves
     ≤ 1.02x the Ulysses minimum; a whole tiny model's first step issues no size exchange either."""
-    from bench.comm import PAYLOAD_SITES, _merge, _rank_fn
-    from tests.distributed import run_distributed
+    from bench.comm import PAYLOAD_SITES, _merge
 
     for world in (2, 4):
-        merged = _merge(run_distributed(_rank_fn, world))
+        merged = _merge(group(comm._rank_fn, world))
         ours = [m for m in merged if m["impl"] in ("ours (trainable Ulysses-Anything)", "ours, registry bounds only")]
         assert len(ours) == 6
         for m in ours:
@@ -65,15 +76,14 @@ def test_comm_benchmark_meets_the_targets() -> None:
             assert set(m["fwd"]) == {"qkv", "out", "gather"} and set(m["bwd"]) == {"d_out", "d_qkv"}, m
 
 
-def test_ring_and_hybrid_comm_meet_the_ring_minimum() -> None:
+def test_ring_and_hybrid_comm_meet_the_ring_minimum(group) -> None:
     """Issue 13's cost table, from the benchmark's own records (4 ranks): per attention layer, forward + backward,
     Ulysses 4 issues 5 collectives, hybrid ring 2 × Ulysses 2 issues 9 and ring 4 issues 8 (op level: each with
     its size exchanges); every layout moves exactly its minimum payload (the ring's K/V and dK/dV travel R-1 hops
     each); with 2 heads on 4 ranks Ulysses leaves half the ranks idle (busiest rank 2x the ideal), the hybrid not."""
-    from bench.comm import RING_CASES, _attention_balance, _layout_minimum, _ring_merge, _ring_rank_fn
-    from tests.distributed import run_distributed
+    from bench.comm import RING_CASES, _attention_balance, _layout_minimum, _ring_merge
 
-    merged = _ring_merge(run_distributed(_ring_rank_fn, 4))
+    merged = _ring_merge(group(comm._ring_rank_fn, 4))
     assert len(merged) == 3 * len(RING_CASES)
     calls = {}
     for m in merged:

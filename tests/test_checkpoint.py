@@ -31,7 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_distributed
+from tests.harness import rank_job, shared_tmpdir
 from train.checkpoint import load_rng, read_dcp_metadata, read_trainer_state
 from train.errors import UserError
 
@@ -295,9 +295,14 @@ def _worker(rank: int, world: int, out: str) -> dict:
     return res
 
 
+@rank_job(2)
+def _job(rank: int, world: int) -> dict:
+    return _worker(rank, world, str(shared_tmpdir()))
+
+
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return run_distributed(_worker, 2, str(tmp_path_factory.mktemp("ckpt")))
+def ranks(group) -> list[dict]:
+    return group(_job, 2)
 
 
 def test_round_trip_is_exact(ranks: list[dict]) -> None:

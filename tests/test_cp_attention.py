@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.distributed import run_distributed
+from tests.harness import rank_job
 
 TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
 
@@ -92,6 +92,7 @@ def _parallel_config(world: int):
     return ContextParallelState.on_mesh(mesh, scope="op")
 
 
+@rank_job(2, 3, 4)
 def _attention_cases(rank: int, world: int) -> dict:
     from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 
@@ -200,10 +201,9 @@ def _stock_mask_error(rank: int, world: int, cfg) -> float:
     """diffusers' own forward on a split key-padding mask of 13 keys (it trims after concatenating the shards)."""
     from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 
-    from train.cp.ulysses import install_ulysses_anything_backward, uninstall_ulysses_anything_backward
+    from train.cp.patch import stock_diffusers
 
-    uninstall_ulysses_anything_backward()
-    try:
+    with stock_diffusers():
         gen = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(1, 13, 8, 8, generator=gen) for _ in range(3))
         keep = torch.rand(1, 13, generator=gen) > 0.35
@@ -216,8 +216,6 @@ def _stock_mask_error(rank: int, world: int, cfg) -> float:
         err = torch.tensor([(out - shard(ref)).abs().max().item()])
         dist.all_reduce(err, op=dist.ReduceOp.MAX)
         return err.item()
-    finally:
-        install_ulysses_anything_backward()
 
 
 def _math_forward_op(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
@@ -261,8 +259,8 @@ def _lse_case(rank: int, world: int, cfg) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_ulysses_anything_matches_serial(world: int) -> None:
-    results = run_distributed(_attention_cases, world)
+def test_ulysses_anything_matches_serial(group, world: int) -> None:
+    results = group(_attention_cases, world)
     for rank, res in enumerate(results):
         for (case, dtype), errs in res["errors"].items():
             tol = TOL[torch.float32 if "float32" in dtype else torch.float64]

@@ -11,8 +11,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_distributed
-from tests.tiny_models import build_inputs, build_model, output_tensors
+from tests.harness import rank_job
+from train.tools.tiny_models import build_inputs, build_model, output_tensors
 
 
 def _expect_error(fn, exc=ValueError) -> str | None:
@@ -29,6 +29,7 @@ def _in_step() -> bool:
     return t.item() == dist.get_world_size()
 
 
+@rank_job(2)
 def _guard_cases(rank: int, world: int) -> dict:
     from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
     from torch.distributed.device_mesh import init_device_mesh
@@ -55,7 +56,7 @@ def _guard_cases(rank: int, world: int) -> dict:
     res["helios_inference_err"] = (cp_out - ref).abs().max().item()
 
     # LTX with its text mask (per-head inside its processors) trains under CP since issue 12: no refusal, serial output.
-    model, masked = build_model("ltx"), build_inputs("ltx", with_text_mask=True)
+    model, masked = build_model("ltx"), build_inputs("ltx")
     enable_context_parallel(model, mesh=mesh)
     out = output_tensors("ltx", model(**masked, return_dict=False))[0]
     with torch.no_grad():
@@ -73,7 +74,7 @@ def _guard_cases(rank: int, world: int) -> dict:
     res["ltx2_in_step"] = _in_step()
 
     # A plan's per_head_mask_inputs (masks it says cannot be sharded) are refused when fed, by position too.
-    model, masked = build_model("ltx"), build_inputs("ltx", with_text_mask=True)
+    model, masked = build_model("ltx"), build_inputs("ltx")
     refusing = dataclasses.replace(plan_for(model), per_head_mask_inputs=("encoder_attention_mask",))
     enable_context_parallel(model, mesh=mesh, plan=refusing)
     first = ("hidden_states", "encoder_hidden_states", "timestep", "encoder_attention_mask")
@@ -100,8 +101,8 @@ def _guard_cases(rank: int, world: int) -> dict:
     return res
 
 
-def test_guards_refuse_before_any_collective() -> None:
-    for res in run_distributed(_guard_cases, 2):
+def test_guards_refuse_before_any_collective(group) -> None:
+    for res in group(_guard_cases, 2):
         assert res["helios_enable"] and "cannot be trained" in res["helios_enable"]
         assert res["helios_train"] and "gather" in res["helios_train"]
         assert res["helios_problems"] and all(p in res["helios_train"] for p in res["helios_problems"])

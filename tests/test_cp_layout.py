@@ -19,7 +19,7 @@ import random
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.harness import rank_job
 from train.cp.layout import LayoutRegistry, split_sizes
 
 TIES = (None, None, 0, 1)  # (q length, kv length, mask q dim, mask k dim), as the attention asks
@@ -118,6 +118,7 @@ def _step(models: dict, data: dict, order: tuple[str, ...]) -> dict[str, torch.T
     return outs
 
 
+@rank_job(2)
 def _two_models(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -163,8 +164,8 @@ def _two_models(rank: int, world: int) -> dict:
     }
 
 
-def test_two_models_in_one_process_keep_their_own_state() -> None:
-    for rank, res in enumerate(run_distributed(_two_models, 2)):
+def test_two_models_in_one_process_keep_their_own_state(group) -> None:
+    for rank, res in enumerate(group(_two_models, 2)):
         for n, e in res["err"].items():
             assert e["out"] <= OUT_TOL and e["grad"] <= GRAD_TOL, (rank, n, e)
         assert res["own"] and res["separate"], res

@@ -27,7 +27,7 @@ from train.cp.plans import (
 )
 
 # Tiny constructor kwargs per model class: 1-2 blocks, 2 heads, head dim 8-16; every model stays under ~100k params
-# and builds in milliseconds. Kept here (not in tests/tiny_models.py) so these tests depend on nothing else.
+# and builds in milliseconds. Kept here (not in train/tools/tiny_models.py) so these tests depend on nothing else.
 TINY_CONFIGS: dict[str, dict] = {
     "FluxTransformer2DModel": dict(
         patch_size=1,

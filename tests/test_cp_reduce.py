@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_distributed
-from tests.tiny_models import build_inputs, build_model, make_loss, output_tensors
+from tests.harness import rank_job
+from train.tools.tiny_models import build_inputs, build_model, make_loss, output_tensors
 
 MODEL = "wan"
 GRAD_TOL = 2e-5  # relative, fp32
@@ -38,6 +38,7 @@ def _serial_step(dp: int) -> tuple[dict, dict]:
     return grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+@rank_job(4)
 def _fsdp2_case(rank: int, world: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
@@ -70,8 +71,8 @@ def _fsdp2_case(rank: int, world: int) -> dict:
     }
 
 
-def test_fsdp2_dp2_cp2_matches_serial() -> None:
-    for rank, res in enumerate(run_distributed(_fsdp2_case, 4)):
+def test_fsdp2_dp2_cp2_matches_serial(group) -> None:
+    for rank, res in enumerate(group(_fsdp2_case, 4)):
         assert res["probe"] == pytest.approx(3 * 1.5)  # cp(cp+1)/2 · (dp+1)/2
         worst = max(res["grad"], key=res["grad"].get)
         assert res["grad"][worst] <= GRAD_TOL, f"rank {rank}: grad {worst} off by {res['grad'][worst]:.3g}"
@@ -79,6 +80,7 @@ def test_fsdp2_dp2_cp2_matches_serial() -> None:
         assert res["param"][worst] <= PARAM_TOL, f"rank {rank}: param {worst} off by {res['param'][worst]:.3g}"
 
 
+@rank_job(4)
 def _modes_case(rank: int, world: int) -> dict:
     """allreduce and DDP give the serial gradients; the self-check passes for all modes and catches a wrong one."""
     from train.cp import enable_context_parallel
@@ -120,8 +122,8 @@ def _modes_case(rank: int, world: int) -> dict:
     return out
 
 
-def test_reduction_modes_and_self_check() -> None:
-    for res in run_distributed(_modes_case, 4):
+def test_reduction_modes_and_self_check(group) -> None:
+    for res in group(_modes_case, 4):
         assert res["probe"] == {"allreduce": pytest.approx(4.5), "ddp": pytest.approx(4.5)}
         for mode, err in res["grad"].items():
             assert err <= GRAD_TOL, f"{mode}: gradient off by {err:.3g}"

@@ -1,6 +1,6 @@
 """Op-level parity: trainable Ring-Anything and hybrid ring × Ulysses-Anything attention vs single-process SDPA.
 
-Configurations (ring × Ulysses): 2 × 1 and 3 × 1 (pure ring), 2 × 2 on 4 gloo ranks (hybrid). One spawned group per
+Configurations (ring × Ulysses): 2 × 1, 3 × 1, 4 × 1 (pure ring), 2 × 2 on 4 gloo ranks (hybrid). One shared group per
 world size runs every case: sequence lengths and head counts no degree divides (23, 19, 13 tokens; 7, 3, 1 heads),
 cross-attention, masks none / key padding (different per sample, one sample padded so much that whole key blocks
 are masked) / whole key padding / per-head key masks / additive key bias; fp32 and fp64; through diffusers' own
@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.distributed import run_distributed
+from tests.harness import rank_job
 from train.cp.layout import split_sizes
 
 TOL = {"torch.float32": 1e-5, "torch.float64": 1e-10}
-CONFIGS = {2: [(2, 1)], 3: [(3, 1)], 4: [(2, 2)]}  # world → (ring, ulysses) degrees run in that group
+CONFIGS = {2: [(2, 1)], 3: [(3, 1)], 4: [(2, 2), (4, 1)]}  # world → (ring, ulysses) degrees run in that group
 
 # (name, batch, q_len, kv_len, heads, head_dim, mask)
 CASES = [
@@ -86,10 +86,8 @@ def _state(ring: int, ulysses: int):
 def _install() -> None:
     """Route diffusers' ring and unified (ring × Ulysses) attention to ours, in this spawned rank only."""
     from train.cp import install_ulysses_anything_backward
-    from train.cp.ring import install_ring_attention
 
-    install_ulysses_anything_backward()
-    install_ring_attention()
+    install_ulysses_anything_backward()  # Ulysses, ring and ring x Ulysses
 
 
 def _attend(route: str, q, k, v, mask, state):
@@ -115,6 +113,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
+@rank_job(2, 3, 4)
 def _cases(rank: int, world: int) -> dict:
     _install()
     results = {"errors": {}, "comm": None, "refusals": {}}
@@ -180,20 +179,9 @@ def _comm(rank: int, world: int, state) -> dict:
     return {site: (s.calls, s.bytes_sent) for site, s in state.stats.sites.items()}
 
 
-@pytest.fixture(scope="module")
-def results() -> dict:
-    return {}
-
-
-def _run(results: dict, world: int) -> list[dict]:
-    if world not in results:
-        results[world] = run_distributed(_cases, world)
-    return results[world]
-
-
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_ring_matches_serial(results, world: int) -> None:
-    ranks = _run(results, world)
+def test_ring_matches_serial(group, world: int) -> None:
+    ranks = group(_cases, world)
     for rank, res in enumerate(ranks):
         assert len(res["errors"]) == len(CASES) * 2 * 2 * len(CONFIGS[world])
         for (config, case, kind, dtype, route), errs in res["errors"].items():
@@ -248,11 +236,11 @@ def _expected_ulysses(g: int, world: int) -> dict:
     }
 
 
-def test_hybrid_comm_counts(results) -> None:
+def test_hybrid_comm_counts(group) -> None:
     """Per attention call (fwd + bwd) of 2 × 23 tokens × 7 heads × 8 dims, fp32: hybrid ring 2 × Ulysses 2 issues
     9 collectives per rank (size exchanges 2, all-to-alls 4, ring shifts 3) against pure Ulysses 4's 5 (one size
     exchange, 4 all-to-alls); every byte count equals the one derived from the layout."""
-    ranks = _run(results, 4)
+    ranks = group(_cases, 4)
     for g, res in enumerate(ranks):
         assert res["comm"]["2x2"] == _expected_hybrid(g, 2, 2), (g, res["comm"]["2x2"])
         assert res["comm"]["1x4"] == _expected_ulysses(g, 4), (g, res["comm"]["1x4"])

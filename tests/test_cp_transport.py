@@ -8,14 +8,16 @@ state owns its transport; nothing is kept per group or per process).
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.distributed import run_distributed
+from tests.harness import rank_job
 
 
 def _attention(rank_in_group: int, world: int, group, seed: int, transport=None) -> float:
@@ -44,6 +46,7 @@ def _attention(rank_in_group: int, world: int, group, seed: int, transport=None)
     return (out - ref.tensor_split(world, dim=1)[rank_in_group]).abs().max().item()
 
 
+@rank_job(4)
 def _two_groups(rank: int, world: int) -> dict:
     """4 ranks as 2 CP groups {0,1} and {2,3}: each selects its transport and attends over its own data at once."""
     from train.cp.comm import TorchTransport, select_transport
@@ -52,15 +55,19 @@ def _two_groups(rank: int, world: int) -> dict:
     install_ulysses_anything_backward()
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group (torch's rule)
     mine = groups[rank // 2]
-    chosen = select_transport("symm_mem", mine, torch.device("cpu"))
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        chosen = select_transport("symm_mem", mine, torch.device("cpu"))
     err = _attention(dist.get_rank(mine), 2, mine, seed=rank // 2, transport=chosen)
     calls = {site: s.calls for site, s in chosen.stats.sites.items()}  # the attention went through the chosen one
     chosen.close()
     gc.collect()  # nothing may happen in a destructor
     dist.barrier()
-    return {"fallback": isinstance(chosen, TorchTransport) and chosen.name == "torch", "err": err, "calls": calls}
+    fallback = isinstance(chosen, TorchTransport) and chosen.name == "torch"
+    return {"fallback": fallback, "err": err, "calls": calls, "said": said.getvalue()}
 
 
+@rank_job(3)
 def _rank_outside(rank: int, world: int) -> dict:
     """3 ranks, CP group {0, 1}; rank 2 joins no CP group. Ranks 0 and 1 select a transport and run attention; rank
     2 only creates the group (torch's rule) and goes on. A WORLD collective in setup would wait for rank 2 forever
@@ -79,6 +86,7 @@ def _rank_outside(rank: int, world: int) -> dict:
     return {"err": err}
 
 
+@rank_job(2)
 def _selection(rank: int, world: int) -> dict:
     from train.cp.comm import select_transport
 
@@ -94,19 +102,20 @@ def _selection(rank: int, world: int) -> dict:
     return out
 
 
-def test_symm_mem_request_falls_back_on_cpu_with_two_cp_groups(capfd) -> None:
-    for res in run_distributed(_two_groups, 4):
+def test_symm_mem_request_falls_back_on_cpu_with_two_cp_groups(group) -> None:
+    for res in group(_two_groups, 4):
         assert res["fallback"] and res["err"] <= 1e-6
         assert res["calls"] == {"qkv": 1, "out": 1, "d_out": 1, "d_qkv": 1, "sizes": 1}, res["calls"]
-    assert "symm_mem requested, using torch all_to_all_single: device cpu" in capfd.readouterr().out
+        # said once, on this rank, naming why
+        assert res["said"].count("symm_mem requested, using torch all_to_all_single: device cpu") == 1, res["said"]
 
 
-def test_rank_outside_every_cp_group_is_never_waited_for() -> None:
-    res = run_distributed(_rank_outside, 3)
+def test_rank_outside_every_cp_group_is_never_waited_for(group) -> None:
+    res = group(_rank_outside, 3)
     assert res[0]["err"] <= 1e-6 and res[1]["err"] <= 1e-6 and res[2]["err"] is None
 
 
-def test_transport_selection_and_unknown_kind() -> None:
-    for res in run_distributed(_selection, 2):
+def test_transport_selection_and_unknown_kind(group) -> None:
+    for res in group(_selection, 2):
         assert res["torch"] == "torch" and res["separate"]
         assert "unknown CP transport 'nccl_fast'" in res["bad"]

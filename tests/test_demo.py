@@ -1,50 +1,48 @@
 """The README demo, end to end on CPU: media → cached latents (the demo recipe's tiny pipeline, Wan) → CP 2 training
-whose loss falls. Every step reads recipes/demo.yaml (`python -m train.demo --recipe ...` included)."""
+whose loss falls. Every step reads recipes/demo.yaml: `python -m train.demo --recipe ...` and `python -m
+train.prepare --recipe ...` as launch/demo.sh runs them, then the trainer through the harness's `python -m
+train.launch` with wandb offline (as the demo runs it)."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.harness import REPO, env, train
 
 
-def _run(*args: str) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
-    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+def _cli(*args: str) -> str:
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"{args}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc.stdout
 
 
-def test_demo_media_to_cache_to_cp_training(tmp_path: Path) -> None:
-    assets, cache, run = tmp_path / "assets", tmp_path / "cache", tmp_path / "run"
-    paths = [f"--set=model.pretrained_path={assets / 'pipeline'}", f"--set=data.source={assets / 'media'}",
-             f"--set=data.cache_dir={cache}"]  # fmt: skip
-    out = _run("-m", "train.demo", "--recipe", "recipes/demo.yaml", *paths)  # the family and sizes of the recipe
+def test_demo_media_to_cache_to_cp_training(tmp_path: Path, launcher) -> None:
+    assets, cache = tmp_path / "assets", tmp_path / "cache"
+    paths = [f"model.pretrained_path={assets / 'pipeline'}", f"data.source={assets / 'media'}",
+             f"data.cache_dir={cache}"]  # fmt: skip
+    sets = [f"--set={p}" for p in paths]
+    out = _cli("-m", "train.demo", "--recipe", "recipes/demo.yaml", *sets)  # the family and sizes of the recipe
     assert "tiny wan pipeline" in out and (assets / "pipeline" / "model_index.json").exists()
-    out = _run("-m", "train.prepare", "--recipe", "recipes/demo.yaml", *paths)
+    out = _cli("-m", "train.prepare", "--recipe", "recipes/demo.yaml", *sets)
     assert "16 ok" in out and "0 bad" in out
     manifest = json.loads((cache / "manifest.json").read_text())
     assert manifest["family"] == "wan" and len(list((cache / "samples").glob("*.safetensors"))) == 16
-    # wandb as the demo runs it (offline)
-    _run("-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu.yaml", "--num_processes", "2",
-         "train/finetune.py", "--recipe", "recipes/demo.yaml", *paths, f"--set=output_dir={run}",
-         "--set=logging.progress_bar=false")  # fmt: skip
-    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    run = train(tmp_path / "run", "recipes/demo.yaml", *paths, "logging.wandb_mode=offline", nproc=2)
+    losses = [m["loss"] for m in run.metrics]
     assert len(losses) == 100
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last < first - 0.2, f"the demo loss did not fall: first 10 steps {first:.3f}, last 10 {last:.3f}"
-    assert (run / "transformer" / "config.json").exists()
+    assert (run.out / "transformer" / "config.json").exists()
     # the demo's validation samples (train/validation.py; decoded and compared in tests/test_validation.py) + report
-    samples = {p.relative_to(run / "samples").as_posix() for p in (run / "samples").glob("step_*/*.mp4")}
+    samples = {p.relative_to(run.out / "samples").as_posix() for p in (run.out / "samples").glob("step_*/*.mp4")}
     assert samples == {f"step_{s}/{i}.mp4" for s in (0, 50, 100) for i in (0, 1)}
-    assert (run / "report.md").is_file() and len(list((run / "report").glob("*.png"))) == 5  # report.md + its plots
+    assert (run.out / "report.md").is_file() and len(list((run.out / "report").glob("*.png"))) == 5
     # the offline wandb run holds the same samples and the report's charts as logged media
-    (wandb_run,) = (run / "wandb").glob("offline-run-*")
+    (wandb_run,) = (run.out / "wandb").glob("offline-run-*")
     media = wandb_run / "files" / "media"
     assert len(list((media / "videos" / "validation").glob("*.mp4"))) == 6
     assert len(list((media / "images" / "report").glob("*.png"))) == 5
-    assert json.loads((run / "layout.json").read_text())["gradient_reduction"].startswith("fsdp2: SUM over cp=2")
+    assert json.loads((run.out / "layout.json").read_text())["gradient_reduction"].startswith("fsdp2: SUM over cp=2")

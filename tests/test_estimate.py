@@ -1,9 +1,13 @@
 """train.estimate: calibration files present and current for every family; predicted vs MEASURED peak per rank on
-CPU for a mid-size Wan (CP 1/2/4 × LoRA/full × checkpointing off/on) within ±15%; the CLI and the startup check.
+CPU for a mid-size Wan within ±15%, at CP 1/2/4 × LoRA/full × checkpointing off/on (6 of the 12 combinations: every
+CP degree with both methods and both checkpointing settings, every method × checkpointing pair); the CLI and the
+startup check.
 
 Measured = the peak of live tensor storage bytes (`LiveBytes`) over the real trainer's model build (sharded start from
 a pretrained folder) and one training step, per rank, in one 4-rank gloo spawn that builds a mesh per CP degree (the
-FSDP group is always dp_shard × cp = 4 ranks, so parameter shards are equal and activations shrink with cp).
+FSDP group is always dp_shard × cp = 4 ranks, so parameter shards are equal and activations shrink with cp). The
+measurement is deterministic (the same bytes on every run), so the 6 cases lose no precision; the other 6 measured
+within the tolerance too when the grid was cut to these (largest: cp 4 full, no checkpointing, kept: +12.6%).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import gc
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.harness import spawn
 from train import estimate as est
 from train.config import recipe_from_dict
 from train.models import family_names
@@ -25,7 +29,10 @@ MID_CONFIG = {"patch_size": [1, 2, 2], "num_attention_heads": 2, "attention_head
               "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6,
               "rope_max_seq_len": 1024}  # fmt: skip
 SHAPES = {"latents": [16, 4, 32, 32], "prompt_embeds": [64, 384]}
-CASES = [(cp, method, ckpt) for cp in (1, 2, 4) for method in ("lora", "full") for ckpt in (False, True)]
+# A covering set of (cp, method, gradient checkpointing): each pair of the three factors meets in all its level
+# combinations; it keeps the two largest errors of the full grid (cp 2 and cp 4 full, no checkpointing).
+CASES = [(1, "lora", False), (1, "full", True), (2, "lora", True), (2, "full", False), (4, "lora", True),
+         (4, "full", False)]  # fmt: skip
 WORLD = 4
 TOLERANCE = 0.15
 
@@ -59,9 +66,12 @@ def _measure_all(rank: int, world: int, folder: str) -> list[int]:
     from train.finetune import Trainer, build_optimizer, train_step
     from train.modeling import build_model, family_spec
     from train.parallel import ParallelDims
+    from train.step import Objective
 
     warnings.filterwarnings("ignore")
     device, peaks = torch.device("cpu"), []
+    gc.collect()
+    gc.freeze()  # the imports' objects: each `gc.collect` below then scans only what the cases made (~1 s less each)
     for cp, method, ckpt in CASES:
         recipe = recipe_from_dict(mid_recipe(folder, cp, method, ckpt))
         mesh = ParallelDims(*recipe.parallel.resolve(world)).build("cpu")
@@ -73,11 +83,12 @@ def _measure_all(rank: int, world: int, folder: str) -> list[int]:
             params = [p for p in model.parameters() if p.requires_grad]
             optimizer, scheduler = build_optimizer(params, recipe.train)
             trainer = Trainer(recipe.train, spec, model, params, optimizer, scheduler, parallel, batches, mesh, device,
-                              None)  # fmt: skip
+                              None, Objective.of(recipe, spec))  # fmt: skip
             train_step(trainer, 0)
             del trainer, model, parallel, params, optimizer, scheduler
         peaks.append(live.peak)
         gc.collect()
+        gc.freeze()  # what outlives a case (caches) is not garbage: leave it out of the next cases' collections
     return peaks
 
 
@@ -87,9 +98,12 @@ def test_calibration_present_and_current(family):
     assert est.calibration_status(family) is None, est.calibration_status(family)
 
 
+@pytest.mark.slow  # one 4-rank spawn (memory measurements need processes of their own: not a shared group)
 def test_predicted_peak_matches_measured_on_cpu(tmp_path):
+    """Predicted first-step peak vs the worst rank's measured one, each case within TOLERANCE. ~45 s on an idle
+    2-core machine: the spawn and its imports (~15 s), then ~5 s per case."""
     folder = write_mid_folder(tmp_path)
-    measured = run_distributed(_measure_all, WORLD, folder)
+    measured = spawn(_measure_all, WORLD, folder)
     rows, bad = [], []
     for i, (cp, method, ckpt) in enumerate(CASES):
         recipe = recipe_from_dict(mid_recipe(folder, cp, method, ckpt))

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.harness import rank_job, shared_tmpdir
 
 MAX_SHARD = 50_000  # bytes: the tiny models (180-840 kB) split into ≥ 3 shards
 LORA_RANK, LORA_ALPHA = 4, 8
@@ -94,9 +94,9 @@ def _worker(rank: int, world: int, out: str) -> dict:
     from peft.tuners.lora import LoraLayer
     from torch.distributed.tensor import DTensor
 
-    from tests.tiny_models import build_inputs
     from train.checkpoint import AppState, save_checkpoint
     from train.export import export_full
+    from train.tools.tiny_models import build_inputs
 
     out, results = Path(out), {}
     calls = {"full_tensor": 0, "redistribute": 0}
@@ -160,9 +160,14 @@ def _worker(rank: int, world: int, out: str) -> dict:
     return results
 
 
+@rank_job(2)
+def _job(rank: int, world: int) -> dict:
+    return _worker(rank, world, str(shared_tmpdir()))
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return run_distributed(_worker, 2, str(tmp_path_factory.mktemp("export")))
+def results(group) -> list[dict]:
+    return group(_job, 2)
 
 
 def _assert_streamed(ranks: list[dict], case: str) -> dict:

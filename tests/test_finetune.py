@@ -1,187 +1,135 @@
-"""The trainer through its real entry point: `accelerate launch ... train/finetune.py --recipe ...` on CPU (gloo).
+"""The trainer through its real entry point (`python -m train.launch ... train/finetune.py`, tests/harness.py) on CPU.
 
 A CP run must be indistinguishable, step by step, from the single-process run of the same recipe and seed:
-per-step loss and grad_norm within 1e-5 relative. Each launch costs ~15-25 s on 2 cores, so runs are shared between
-tests through a module-level cache. Every family trains through this entry point in tests/test_families_e2e.py
-(its tiny pipeline's cache, CP 2 vs serial); every tiny recipe's shapes run through its family spec at CP 2, 3 and 4
-in tests/test_cp_models.py.
+per-step loss and grad_norm within 1e-5 relative (`assert_same_steps`). Launches go through the session's `runs`
+(one launch per distinct command), and the serial references are shared: the 4-step serial tiny-wan LoRA run
+(`SERIAL`) is the reference of CP 2, the activation levers and compile here, of the two-"node" run of
+tests/test_launch.py, of the samples in tests/test_validation.py and of the bf16 run in tests/test_runtime.py, and the
+checkpointed run that tests/test_resume.py and tests/test_bad_inputs.py resume; the CP 2 LoRA run (`CP2`, wandb
+offline) is tests/test_report.py's run and tests/test_validation.py's run without validation. Where only the first
+optimizer step matters (dp_shard 2 × cp 2 with 2 micro-batches per step: the reduction over both axes and the
+micro-batches of one step, one 4-rank launch), the reference is the serial oracle computed in this process with the
+trainer's own pieces (`first_step`); LoRA (CP 2) and full fine-tuning (CP 2) are compared over 4 steps (the optimizer
+state across steps). Both LoRA runs checkpoint after every step (the last 3 kept): copies of them resume from step 2
+at the other CP degree (and at the same one, exactly).
+
+Other degrees and layouts through this entry point: CP 3, CP 4 and ring 2 × Ulysses 2 against the serial launch are
+tests/test_families_e2e.py's HunyuanVideo exact test; this recipe (7 heads, 35 tokens: divisible by none of 2, 3, 4)
+at CP 4 = ring 2 × Ulysses 2 against `SERIAL` is tests/test_launch.py's two-node run. Every family trains through this
+entry point in tests/test_families_e2e.py (its tiny pipeline's cache, one CP launch against the first-step oracle);
+every family's tiny model runs at every CP layout against the pipeline-form serial oracle in tests/test_cp_models.py.
+The startup memory warning and bf16 autocast are checked on tests/test_runtime.py's long CP 2 run.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import os
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-REL_TOL = 1e-5
-_RUNS: dict[tuple, tuple[list[dict], Path]] = {}
+from tests.harness import REL_TOL, REPO, assert_same_steps, check_lora_reload, first_step, train
+
+TINY = "recipes/tiny/wan.yaml"  # LoRA, 4 steps, batch 2, 35 video tokens, 7 heads (neither divisible by 2, 3, 4)
+CKPT = ("checkpoint.every_n_steps=1", "checkpoint.keep_last=3")
+SERIAL = ("parallel.cp=1", *CKPT)  # the serial tiny-wan LoRA run: tests/test_launch.py, test_resume.py, ... share it
+CP2 = ("parallel.cp=2", "logging.wandb_mode=offline", *CKPT)  # tests/test_report.py and test_validation.py share it
+FULL = ("finetune.method=full", "train.gradient_checkpointing=true")
+TIMING = ("transformer_tokens_per_s", "step_time_s", "peak_mem_bytes")  # measurements, not results: they may differ
 
 
-def launch(out_dir: Path, nproc: int, recipe: str = "recipes/tiny/wan.yaml", *overrides: str, resume: bool = False,
-           extra: list[str] | tuple[str, ...] = ()):  # fmt: skip
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu.yaml",
-           "--num_processes", str(nproc), "train/finetune.py", "--recipe", recipe,
-           "--set", f"output_dir={out_dir}", "--set", "logging.progress_bar=false", *[a for o in overrides
-           for a in ("--set", o)]] + (["--resume"] if resume else []) + list(extra)  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        raise AssertionError(f"launch failed ({' '.join(cmd)}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return proc
+def _serial(runs):
+    return runs(TINY, *SERIAL)
 
 
-def metrics(out_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+def test_lora_cp2_matches_single_process(runs) -> None:
+    """LoRA at CP 2 (7 heads and 35 tokens, neither divisible) against the serial run, 4 steps (the optimizer state
+    carries the equality across steps); the serial run's first step is the in-process oracle's. (CP 3 and 4: see the
+    module docstring.)"""
+    serial = _serial(runs).metrics
+    assert_same_steps(runs(TINY, *CP2, nproc=2).metrics, serial, "lora CP 2 vs 1")
+    assert_same_steps(serial, [{"step": 1, **first_step(TINY)}], "serial launch vs first_step", steps=1)
+    assert len(serial) == 4 and serial[-1]["loss"] != serial[0]["loss"]  # parameters did move
 
 
-def run(tmp_root: Path, nproc: int, *overrides: str, recipe: str = "recipes/tiny/wan.yaml") -> list[dict]:
-    return run_dir(tmp_root, nproc, *overrides, recipe=recipe)[0]
+def test_full_cp2_matches_single_process(runs) -> None:
+    """Full fine-tuning (with gradient checkpointing) at CP 2 against the serial run, 4 steps: every weight and its
+    AdamW state equal across steps."""
+    serial, cp2 = runs(TINY, *FULL, "parallel.cp=1"), runs(TINY, *FULL, "parallel.cp=2", nproc=2)
+    assert_same_steps(cp2.metrics, serial.metrics, "full CP 2 vs 1")
+    assert len(serial.metrics) == 4 and serial.metrics[-1]["loss"] != serial.metrics[0]["loss"]
 
 
-def run_dir(tmp_root: Path, nproc: int, *overrides: str, recipe: str = "recipes/tiny/wan.yaml"):
-    """Launch once per distinct (nproc, recipe, overrides); return (metrics lines, output dir)."""
-    key = (nproc, recipe, overrides)
-    if key not in _RUNS:
-        out = tmp_root / f"run{len(_RUNS)}"
-        launch(out, nproc, recipe, *overrides)
-        _RUNS[key] = (metrics(out), out)
-    return _RUNS[key]
+# Every lever and compile in one CP 2 run: block 0 recomputed in backward (its recompute compiled), block 1 not; the
+# tensors both blocks save kept in host memory (save_on_cpu, around the checkpoint too); each block's forward compiled
+# (inductor on CPU). Checkpointing of every block under CP 2 is the full fine-tuning run's (`FULL`).
+LEVERS = ("train.gradient_checkpointing=true", "train.checkpoint_every=2", "train.offload_activations=true",
+          "train.compile=true")  # fmt: skip
 
 
-def assert_same_steps(a: list[dict], b: list[dict], what: str, steps: int = 3) -> None:
-    assert len(a) >= steps and len(b) >= steps, (a, b)
-    for x, y in zip(a[:steps], b[:steps]):
-        assert x["step"] == y["step"]
-        for key in ("loss", "grad_norm"):
-            rel = abs(x[key] - y[key]) / max(abs(y[key]), 1e-12)
-            assert rel <= REL_TOL, f"{what}, step {x['step']}: {key} {x[key]} vs {y[key]} (rel {rel:.2e})"
+def test_activation_levers_and_compile_under_cp2_match_single_process(runs) -> None:
+    """The memory levers (checkpointing every 2nd block, activation offload) and torch.compile (per block, the CP
+    attention a graph break), together at CP 2, against the plain serial run: the same loss and grad norm, 4 steps."""
+    run = runs(TINY, "parallel.cp=2", *LEVERS, nproc=2)
+    assert_same_steps(run.metrics, _serial(runs).metrics, f"{LEVERS} CP 2 vs 1")
 
 
-@pytest.fixture(scope="module")
-def tmp_root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("finetune")
+# dp_shard 2 × cp 2, 2 micro-batches of 1 per step, 1 step: one 4-rank launch for the two first-step tests below
+DP_CP_ACCUM = ("parallel.cp=2", "parallel.dp_shard=2", "train.grad_accum=2", "train.batch_size=1", "train.max_steps=1")
 
 
-QUIET = ("logging.wandb_mode=disabled", "train.max_steps=3")
+def _dp_cp_accum(runs):
+    return runs(TINY, *DP_CP_ACCUM, nproc=4)
 
 
-@pytest.mark.parametrize("method", ["lora", "full"])
-def test_cp2_and_cp3_match_single_process(tmp_root: Path, method: str) -> None:
-    base = (*QUIET, f"finetune.method={method}", "train.gradient_checkpointing=" + str(method == "full").lower())
-    serial = run(tmp_root, 1, *base, "parallel.cp=1")
-    assert_same_steps(run(tmp_root, 2, *base, "parallel.cp=2"), serial, f"{method} CP 2 vs 1")
-    if method == "lora":  # 3 ranks: 7 heads and 35 tokens, neither divisible
-        assert_same_steps(run(tmp_root, 3, *base, "parallel.cp=3"), serial, f"{method} CP 3 vs 1")
-    assert serial[-1]["loss"] != serial[0]["loss"]  # parameters did move
+@functools.cache
+def _dp_cp_accum_oracle() -> dict[str, float]:
+    return first_step(TINY, *DP_CP_ACCUM, dp=2)
 
 
-@pytest.mark.parametrize(
-    "levers",
-    [
-        ("train.gradient_checkpointing=true", "train.checkpoint_every=2"),  # block 0 recomputed, block 1 not
-        ("train.offload_activations=true",),
-        ("train.compile=true", "train.gradient_checkpointing=true"),  # inductor on CPU; compiled recompute too
-    ],
-    ids=["ckpt_every_2", "offload", "compile_ckpt"],
-)
-def test_activation_levers_and_compile_under_cp2_match_single_process(tmp_root: Path, levers: tuple) -> None:
-    """Each memory lever and torch.compile (per block, the CP attention a graph break) at CP 2 against the plain
-    serial run: the same loss and grad norm."""
-    base = (*QUIET, "finetune.method=lora", "train.gradient_checkpointing=false")
-    serial = run(tmp_root, 1, *base, "parallel.cp=1")
-    assert_same_steps(run(tmp_root, 2, *base, *levers, "parallel.cp=2"), serial, f"{levers} CP 2 vs 1")
+def test_grad_accumulation_cp2_matches_single_process(runs) -> None:
+    """2 micro-batches of 1 per step at CP 2 (in each of 2 data-parallel groups): the step's loss and grad norm are
+    the serial oracle's (`first_step`: the same micro-batches, generators and 1/(grad_accum × dp) scaling, in this
+    process)."""
+    ref = _dp_cp_accum_oracle()
+    assert_same_steps(_dp_cp_accum(runs).metrics, [{"step": 1, **ref}], "accum 2, CP 2, dp 2 vs first_step", steps=1)
 
 
-def test_startup_refuses_a_recipe_predicted_not_to_fit(tmp_root: Path) -> None:
-    """`train.estimate` runs at startup: a prediction clearly over the device memory is a one-line error (exit 2)
-    before the model is built; `memory_check: warn` prints it and trains."""
-    out = tmp_root / "too_big"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu.yaml",
-           "--num_processes", "2", "train/finetune.py", "--recipe", "recipes/tiny/wan.yaml", "--set",
-           f"output_dir={out}", "--set", "parallel.device_memory_gib=0.0001", "--set", "train.max_steps=1"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
-    assert proc.returncode != 0
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
-    assert errors and "predicted peak per rank" in errors[0] and "parallel.memory_check: warn" in errors[0], errors
-    assert not (out / "metrics.jsonl").exists()
-    warned = run_dir(tmp_root, 2, *QUIET, "parallel.cp=2", "parallel.device_memory_gib=0.0001",
-                     "parallel.memory_check=warn")  # fmt: skip
-    assert len(warned[0]) == 3
+def test_dp2_cp2_matches_the_data_parallel_oracle(runs) -> None:
+    """dp_shard 2 × cp 2 (4 ranks): the first step's loss (the mean over the 2 data-parallel groups) and grad norm (of
+    the mean gradient) are the serial oracle's for 2 groups (`first_step(dp=2)`: each group's own batches and
+    generators, in this process), so CP inside each data-parallel group changes nothing and the reduction is SUM over
+    CP, MEAN over DP. Its step accumulates 2 micro-batches per group (the launch it shares with the test above)."""
+    dp_cp = _dp_cp_accum(runs)
+    ref = _dp_cp_accum_oracle()
+    assert_same_steps(dp_cp.metrics, [{"step": 1, **ref}], "dp_shard 2 × cp 2 vs first_step(dp=2)", steps=1)
+    layout = json.loads((dp_cp.out / "layout.json").read_text())
+    assert "SUM over cp=2, MEAN over dp=2" in layout["gradient_reduction"], layout
 
 
-def test_grad_accumulation_cp2_matches_single_process(tmp_root: Path) -> None:
-    base = (*QUIET, "train.grad_accum=2", "train.batch_size=1")
-    assert_same_steps(run(tmp_root, 2, *base, "parallel.cp=2"), run(tmp_root, 1, *base, "parallel.cp=1"), "accum 2")
-
-
-def test_dp2_cp2_matches_dp2_cp1(tmp_root: Path) -> None:
-    dp_only = run(tmp_root, 2, *QUIET, "parallel.cp=1", "parallel.dp_shard=2")
-    dp_cp = run(tmp_root, 4, *QUIET, "parallel.cp=2", "parallel.dp_shard=2")
-    assert_same_steps(dp_cp, dp_only, "dp_shard 2 × cp 2 vs dp_shard 2 × cp 1")
-
-
-def test_resume_is_exact(tmp_root: Path) -> None:
-    common = ("logging.wandb_mode=disabled", "parallel.cp=2", "checkpoint.every_n_steps=2", "checkpoint.keep_last=1")
-    straight = run(tmp_root, 2, *common, "train.max_steps=4")
-    out = tmp_root / "resumed"
-    launch(out, 2, "recipes/tiny/wan.yaml", *common, "train.max_steps=2")
-    assert [m["step"] for m in metrics(out)] == [1, 2]
-    launch(out, 2, "recipes/tiny/wan.yaml", *common, "train.max_steps=4", resume=True)
-    resumed = metrics(out)
-    assert [m["step"] for m in resumed] == [1, 2, 3, 4]
-    timing = ("transformer_tokens_per_s", "step_time_s", "peak_mem_bytes")  # measurements, not results: they may differ
-    exact = [{k: v for k, v in m.items() if k not in timing} for m in resumed[2:]]
-    assert exact == [{k: v for k, v in m.items() if k not in timing} for m in straight[2:]]
-    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_000004"]  # keep_last=1
-
-
-def test_wandb_offline_bf16_run_and_outputs(tmp_root: Path) -> None:
-    """A CP 2 run with wandb offline and `mixed_precision: bf16` (autocast on CPU too): its metrics, layout and LoRA
-    export; its loss differs from the fp32 single-process run by bf16 rounding, not more (so autocast did run)."""
-    out = tmp_root / "wandb"
-    bf16 = "train.mixed_precision=bf16"
-    proc = launch(out, 2, "recipes/tiny/wan.yaml", "train.max_steps=2", "logging.wandb_mode=offline", bf16)
-    runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(runs) == 1, proc.stdout
-    lines = metrics(out)
-    assert [m["step"] for m in lines] == [1, 2]
-    for m in lines:
+def test_cp2_run_outputs_wandb_and_lora_export(runs, tiny_pipeline) -> None:
+    """The CP 2 LoRA run with wandb offline: its metrics lines, layout, recipe, checkpoints (keep_last 3), wandb run,
+    and a LoRA export that diffusers' WanPipeline loads with the trained values and scale (lora_alpha / rank)."""
+    run = runs(TINY, *CP2, nproc=2)
+    assert len(list((run.out / "wandb").glob("offline-run-*/run-*.wandb"))) == 1, run.stdout[-2000:]
+    assert [m["step"] for m in run.metrics] == [1, 2, 3, 4]
+    for m in run.metrics:
         assert {"step", "loss", "grad_norm", "lr", "transformer_tokens_per_s", "peak_mem_bytes"} <= set(m)
         assert m["transformer_tokens_per_s"] > 0 and m["peak_mem_bytes"] > 0
         # tokens/s × step time = the step's transformer tokens: 2 clips × (5 × 2/2 × 14/2 = 35 video tokens) = 70
         assert round(m["transformer_tokens_per_s"] * m["step_time_s"]) == 70
-    layout = json.loads((out / "layout.json").read_text())
+    layout = json.loads((run.out / "layout.json").read_text())
     assert "SUM over cp=2" in layout["gradient_reduction"] and layout["cp_plan"].endswith("wan.yaml")
-    assert layout["mixed_precision"] == "bf16: bf16 autocast, fp32 master weights"
-    fp32 = run(tmp_root, 1, *QUIET, "finetune.method=lora", "train.gradient_checkpointing=false", "parallel.cp=1")
-    rel = [abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(lines, fp32)]
-    assert 1e-5 < max(rel) < 5e-2, rel
-    assert (out / "recipe.yaml").exists()
-
-    # The LoRA export loads into a diffusers pipeline of the same architecture, with the trained values and scale.
-    from diffusers import WanPipeline
-    from safetensors.torch import load_file
-
-    from train.models import build_tiny_pipeline
-
-    pipe = WanPipeline.from_pretrained(build_tiny_pipeline("wan", out / "pipeline"))
-    pipe.load_lora_weights(out / "lora")
-    exported = load_file(out / "lora" / "pytorch_lora_weights.safetensors")
-    loaded = {n: p for n, p in pipe.transformer.named_parameters() if "lora_" in n}
-    assert len(loaded) == len(exported) > 0
-    for name, value in exported.items():  # transformer.blocks.0.attn1.to_q.lora_A.weight → ...lora_A.<adapter>.weight
-        module, kind = name.removeprefix("transformer.").rsplit(".lora_", 1)
-        match = [p for n, p in loaded.items() if n.startswith(module + ".lora_" + kind.split(".")[0] + ".")]
-        assert len(match) == 1 and torch.equal(match[0], value), name
-    lora_layer = pipe.transformer.blocks[0].attn1.to_q
-    assert lora_layer.scaling[next(iter(lora_layer.scaling))] == 8.0 / 4  # lora_alpha / rank from the recipe
+    assert layout["mixed_precision"] == "no: fp32"
+    assert (run.out / "recipe.yaml").exists()
+    ckpts = [p.name for p in sorted((run.out / "checkpoints").iterdir())]
+    assert ckpts == ["step_000002", "step_000003", "step_000004"]  # keep_last 3 of 4
+    pipe = check_lora_reload("wan", tiny_pipeline("wan"), run.out / "lora", rank=4, alpha=8.0)
+    layer = pipe.transformer.blocks[0].attn1.to_q
+    assert layer.scaling[next(iter(layer.scaling))] == 8.0 / 4  # lora_alpha / rank from the recipe
 
 
 def _state(path: Path) -> dict[str, torch.Tensor]:
@@ -191,13 +139,14 @@ def _state(path: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("method", ["lora", "full"])
-def test_exported_weights_match_single_process(tmp_root: Path, method: str) -> None:
-    """The weights a CP 2 run exports equal those of the single-process run (after 3 optimizer steps)."""
-    base = (*QUIET, f"finetune.method={method}", "train.gradient_checkpointing=" + str(method == "full").lower())
-    _, serial = run_dir(tmp_root, 1, *base, "parallel.cp=1")
-    _, cp2 = run_dir(tmp_root, 2, *base, "parallel.cp=2")
-    sub = "lora" if method == "lora" else "transformer"
-    a, b = _state(cp2 / sub), _state(serial / sub)
+def test_exported_weights_match_single_process(runs, method: str) -> None:
+    """The weights a CP 2 run exports equal those of the single-process run (after 4 optimizer steps)."""
+    if method == "lora":
+        serial, cp2, sub = _serial(runs), runs(TINY, *CP2, nproc=2), "lora"
+    else:
+        serial, cp2 = runs(TINY, *FULL, "parallel.cp=1"), runs(TINY, *FULL, "parallel.cp=2", nproc=2)
+        sub = "transformer"
+    a, b = _state(cp2.out / sub), _state(serial.out / sub)
     assert a.keys() == b.keys() and len(a) > 0
     for k in a:
         assert (a[k] - b[k]).abs().max() <= 1e-5 * b[k].abs().max().clamp_min(1e-3), k
@@ -206,11 +155,45 @@ def test_exported_weights_match_single_process(tmp_root: Path, method: str) -> N
 
         from train.config import load_recipe
 
-        model = WanTransformer3DModel.from_pretrained(serial / "transformer")
+        model = WanTransformer3DModel.from_pretrained(serial.out / "transformer")
         torch.manual_seed(0)
-        init = WanTransformer3DModel.from_config(load_recipe(REPO / "recipes/tiny/wan.yaml").model.init_config)
+        init = WanTransformer3DModel.from_config(load_recipe(REPO / TINY).model.init_config)
         moved = [n for n, p in model.named_parameters() if not torch.equal(p, init.state_dict()[n])]
         assert len(moved) >= 0.9 * len(list(model.parameters()))
+
+
+RESUMES = {"cp2_to_cp2": (2, 2), "cp2_to_cp1": (2, 1), "cp1_to_cp2": (1, 2)}
+
+
+@pytest.mark.parametrize("case", sorted(RESUMES))
+def test_resume_from_step_2_matches_the_uninterrupted_run(runs, tmp_path: Path, case: str) -> None:
+    """A copy of a 4-step LoRA run with only its step-2 checkpoint (as a run stopped after step 2 leaves it) resumes
+    to step 4, at the same CP degree or at another one (`parallel.cp` is applied on resume: the same samples and
+    order). Same degree: steps 3-4 equal the uninterrupted run's exactly (every field but timings). Another degree:
+    steps 3-4 equal both uninterrupted runs (CP 2 and serial) within 1e-5 relative, the float rounding of CP's
+    reductions (the largest relative difference is printed)."""
+    src_cp, to_cp = RESUMES[case]
+    runs_by_cp = {1: _serial(runs), 2: runs(TINY, *CP2, nproc=2)}
+    src, out = runs_by_cp[src_cp], tmp_path / case
+    shutil.copytree(src.out, out)
+    for later in ("step_000003", "step_000004"):
+        shutil.rmtree(out / "checkpoints" / later)
+    sets = SERIAL if to_cp == 1 else CP2
+    resumed = train(out, TINY, *sets, nproc=to_cp, resume=True)
+    assert f"resumed from {out / 'checkpoints' / 'step_000002'} at step 2" in resumed.stdout
+    lines = resumed.metrics
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
+    if src_cp == to_cp:
+        exact = [{k: v for k, v in m.items() if k not in TIMING} for m in lines]
+        assert exact == [{k: v for k, v in m.items() if k not in TIMING} for m in src.metrics]
+        return
+    assert f"resume: parallel.cp: {src_cp} -> {to_cp}" in resumed.stdout
+    worst = 0.0
+    for cp, ref in runs_by_cp.items():
+        assert_same_steps(lines[2:], ref.metrics[2:], f"{case} vs the uninterrupted CP {cp} run")
+        worst = max(worst, *(abs(a[k] - b[k]) / abs(b[k]) for a, b in zip(lines[2:], ref.metrics[2:])
+                             for k in ("loss", "grad_norm")))  # fmt: skip
+    print(f"resume {case}: steps 3-4 vs the uninterrupted runs, max relative difference {worst:.2e} (≤ {REL_TOL})")
 
 
 def test_mixed_precision_resolves_per_device() -> None:
@@ -228,8 +211,8 @@ def test_flow_shift_is_a_recipe_key() -> None:
     from train.modeling import family_spec
     from train.objective import sample_stream_sigmas
 
-    default = family_spec(load_recipe(REPO / "recipes/tiny/wan.yaml").model)
-    shifted = family_spec(load_recipe(REPO / "recipes/tiny/wan.yaml", ["model.flow_shift=5.0"]).model)
+    default = family_spec(load_recipe(REPO / TINY).model)
+    shifted = family_spec(load_recipe(REPO / TINY, ["model.flow_shift=5.0"]).model)
     assert (default.shift.shift, shifted.shift.shift) == (3.0, 5.0)
     a, b = (sample_stream_sigmas(64, s, scheme="uniform", generator=torch.Generator().manual_seed(1))["latents"]
             for s in (default, shifted))  # fmt: skip

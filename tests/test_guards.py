@@ -1,6 +1,6 @@
 """The trainer's numerical guards and its graceful stop, through the real entry point (2 processes, CP 2, gloo).
 
-One tiny Wan cache (its own tiny pipeline, `train.prepare`) and copies of it with one sample damaged:
+One tiny Wan cache (the session's tiny pipeline, `train.prepare`) and copies of it with one sample damaged:
 - a NaN in one sample's latents: the dataset warns once naming the file and hands it on; every step that reads it has
   a non-finite loss and is skipped (no update), reported in metrics.jsonl; the run ends with exit code 0 and finite
   exported weights.
@@ -8,9 +8,11 @@ One tiny Wan cache (its own tiny pipeline, `train.prepare`) and copies of it wit
   with one line naming the step and each step's samples; under data parallelism, only the bad group's sample.
 - SIGTERM to one rank, then (after `--resume`) to the launcher (`python -m train.launch`): every rank finishes the
   step, writes a checkpoint and exits, and so does the launcher, with 0; resuming to the end gives the uninterrupted
-  run's losses.
+  run's losses and grad norms (within 1e-6) and its skipped steps.
 
-Launches (~6-15 s each) are shared between the tests through module fixtures.
+Launches (~6-15 s each) go through the harness's command line (`train`, `launch_command` for the signalled ones); the
+uninterrupted NaN run is shared between its test and the SIGTERM test (a module fixture); every wait is on an event
+(a step in metrics.jsonl, the launcher's exit).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -30,14 +31,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.harness import REPO, env, launch_command, train, wait_until
 from train.config import recipe_from_dict
 from train.data.dataset import read_manifest
 from train.data.synthetic_media import make_media_set
-from train.models import build_tiny_pipeline, get_encoder
+from train.models import get_encoder
 from train.prepare import prepare
 
-REPO = Path(__file__).resolve().parents[1]
-STEPS = 40  # enough steps (~0.1 s each) for a signal to land mid-run
+# 5 epochs of the 4 samples (the damaged one read 5 times); room for both signals to land mid-run: each stops the run
+# ~1-2 steps (~0.1 s each) after the step it follows (2, then 2 more after the resume), well before the end
+STEPS = 20
 TOL = 1e-6
 F, H, W = 5, 32, 48  # Wan: 4k + 1 frames, sides multiples of 16
 
@@ -61,9 +64,9 @@ def _copy_with(cache: Path, dest: Path, value: float) -> tuple[Path, str]:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> dict:
+def setup(tmp_path_factory, tiny_pipeline) -> dict:
     root = tmp_path_factory.mktemp("guards")
-    pipe = build_tiny_pipeline("wan", root / "pipe")
+    pipe = tiny_pipeline("wan")
     media = root / "media"
     make_media_set(media, num_videos=4, num_images=0, frames=9, height=H, width=W, fps=16.0)
     data = {"source": str(media), "cache_dir": str(root / "cache"), "height": H, "width": W, "num_frames": F,
@@ -86,20 +89,20 @@ def setup(tmp_path_factory) -> dict:
 
 
 def _start(setup: dict, out: Path, cache: str, *overrides: str, resume: bool = False) -> tuple[subprocess.Popen, Path]:
-    cmd = [sys.executable, "-m", "train.launch", "--config_file", "configs/accelerate/cpu.yaml",
-           "--num_processes", "2", "train/finetune.py", "--recipe", str(setup["recipe"]), f"--set=output_dir={out}",
-           f"--set=data.cache_dir={setup['caches'][cache]}", *[f"--set={o}" for o in overrides]]  # fmt: skip
+    """The run in the background (the harness's command line), its output in a log file: the test polls
+    metrics.jsonl meanwhile."""
+    cmd = launch_command(out, setup["recipe"], f"data.cache_dir={setup['caches'][cache]}", *overrides, nproc=2,
+                         resume=resume)  # fmt: skip
     log = out.with_suffix(".log")
-    with open(log, "w") as f:  # a file, not a pipe: the test polls metrics.jsonl meanwhile
-        proc = subprocess.Popen(cmd + (["--resume"] if resume else []), cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                                env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"})  # fmt: skip
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=env())
     return proc, log
 
 
 def _launch(setup: dict, name: str, cache: str, *overrides: str) -> tuple[int, str, Path]:
     out = setup["root"] / name
-    proc, log = _start(setup, out, cache, *overrides)
-    return proc.wait(timeout=600), log.read_text(), out
+    run = train(out, setup["recipe"], f"data.cache_dir={setup['caches'][cache]}", *overrides, nproc=2, check=False)
+    return run.rc, run.log, out
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -124,11 +127,12 @@ def nan_run(setup) -> tuple[int, str, Path]:
     return _launch(setup, "nan", "nan")
 
 
-def test_a_nan_in_one_cached_sample_is_skipped_and_the_run_ends_finite(setup, nan_run) -> None:
+def test_a_nan_in_one_cached_sample_is_skipped_and_the_run_ends_finite(setup, nan_run, launcher) -> None:
     code, log, out = nan_run
     assert code == 0, log[-4000:]
-    # the dataset names the file once per rank that reads it, and hands the sample on
-    warned = [line for line in log.splitlines() if line.startswith("warning") and setup["files"]["nan"] in line]
+    # the dataset names the file once per rank that reads it, and hands the sample on (counted in the whole log: the
+    # two ranks' lines share one pipe and were seen written into one line)
+    warned = re.findall(rf"warning: \S*{re.escape(setup['files']['nan'])} holds NaN", log)
     assert len(warned) == 2, log[-4000:]
     lines = _metrics(out)
     assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
@@ -145,7 +149,7 @@ def test_a_nan_in_one_cached_sample_is_skipped_and_the_run_ends_finite(setup, na
     assert weights and all(bool(torch.isfinite(t).all()) for t in weights.values())
 
 
-def test_a_diverging_run_stops_after_max_bad_steps_naming_steps_and_samples(setup) -> None:
+def test_a_diverging_run_stops_after_max_bad_steps_naming_steps_and_samples(setup, launcher) -> None:
     code, log, out = _launch(setup, "diverge", "clean", "train.lr=1e6", "train.max_grad_norm=null")
     assert code == 2 and "Traceback" not in log, log[-3000:]  # train.launch exits with the ranks' user-error code
     errors = _errors(log)
@@ -162,7 +166,7 @@ def test_a_diverging_run_stops_after_max_bad_steps_naming_steps_and_samples(setu
     assert not (out / "transformer").exists() and not (out / "checkpoints").exists()
 
 
-def test_under_data_parallel_the_error_names_the_bad_sample_alone(setup) -> None:
+def test_under_data_parallel_the_error_names_the_bad_sample_alone(setup, launcher) -> None:
     """dp_shard 2: the two groups read different samples; the step that reads the NaN one is bad on every rank (the
     loss is averaged over all ranks), and the error names that sample only, not the other group's."""
     code, log, out = _launch(setup, "dp2", "nan", "parallel.cp=1", "parallel.dp_shard=2", "train.max_bad_steps=1")
@@ -177,16 +181,14 @@ def test_under_data_parallel_the_error_names_the_bad_sample_alone(setup) -> None
 def _signal_mid_run(proc: subprocess.Popen, out: Path, after_step: int, target: str) -> tuple[int, float]:
     """Wait until metrics.jsonl reaches `after_step`, send SIGTERM to `target` ("launcher" or "rank1"), wait for the
     launcher to exit; returns its exit code and the seconds from the signal to the exit."""
-    while _last_step(out) < after_step:
-        assert proc.poll() is None, "the run ended before the signal"
-        time.sleep(0.05)
+    wait_until(lambda: _last_step(out) >= after_step, f"step {after_step}", 300, alive=lambda: proc.poll() is None)
     pid = proc.pid
     if target == "rank1":
         pid = next(p.pid for p in psutil.Process(proc.pid).children(recursive=True)
                    if p.environ().get("RANK") == "1")  # fmt: skip
     t0 = time.perf_counter()
     os.kill(pid, signal.SIGTERM)
-    code = proc.wait(timeout=120)
+    code = proc.wait(timeout=300)
     return code, time.perf_counter() - t0
 
 
@@ -198,7 +200,7 @@ def _stopped_at(log: str) -> tuple[int, Path]:
     return step, path
 
 
-def test_sigterm_checkpoints_and_resume_matches_the_uninterrupted_run(setup, nan_run) -> None:
+def test_sigterm_checkpoints_and_resume_matches_the_uninterrupted_run(setup, nan_run, launcher) -> None:
     """SIGTERM to one rank only (the ranks agree on the stop: exit 0), then after a resume to the launcher (torchrun
     forwards it); a second resume runs to the end: the losses (and skips) of the uninterrupted run, step by step."""
     out = setup["root"] / "sigterm"
@@ -225,7 +227,8 @@ def test_sigterm_checkpoints_and_resume_matches_the_uninterrupted_run(setup, nan
     for a, b in zip(resumed, reference):
         assert a["skipped"] == b["skipped"], (a, b)
         if not b["skipped"]:
-            assert abs(a["loss"] - b["loss"]) <= TOL * max(1.0, abs(b["loss"])), (a, b)
+            for key in ("loss", "grad_norm"):
+                assert abs(a[key] - b[key]) <= TOL * max(1.0, abs(b[key])), (key, a, b)
     print(f"SIGTERM → checkpoint → exit: one rank signalled {one_rank_s:.2f} s (stopped after step {first}), "
           f"launcher signalled {launcher_s:.2f} s (after step {second})")  # fmt: skip
 

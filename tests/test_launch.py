@@ -2,10 +2,10 @@
 commands for 2 nodes × 8 GPUs, CP groups inside a node, and a real 2-"node" run on localhost.
 
 The localhost run starts `launch/multi_node.sh` twice (NODE_RANK 0 and 1, 2 processes each, loopback rendezvous): 4
-gloo ranks, parallel.cp=2 so each CP group is one "node"'s 2 ranks and dp_shard=2 spans the nodes. Its per-step loss
-and grad norm must equal, within 1e-5 relative, those of one node running the same data-parallel layout without CP
-(dp_shard=2, cp=1: each data-parallel group a single process, the serial reference of tests/test_finetune.py's
-dp_shard × cp test).
+gloo ranks in one CP group (parallel.cp=4) laid out as the scripts intend, ring 2 across the "nodes" and Ulysses 2
+inside each (parallel.cp_ring=2). Its per-step loss and grad norm must equal, within 1e-5 relative, those of the
+single-process run of the same recipe: tests/test_finetune.py's serial tiny-wan LoRA run, shared through `runs`
+(identical overrides, one launch per session).
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ import os
 import shlex
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-REL_TOL = 1e-5
+from tests.harness import ENV, LAUNCH_TIMEOUT_S, QUIET, REPO, assert_same_steps
+
 # The launch scripts' inputs come from the environment: none may leak in from the one running the tests.
 SCRIPT_VARS = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE", "RECIPE", "SLURM_NNODES")
 BASE_ENV = {k: v for k, v in os.environ.items() if k not in SCRIPT_VARS}
@@ -125,43 +124,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+# tests/test_finetune.py's serial tiny-wan LoRA run (4 steps, a checkpoint after each): identical overrides
+SERIAL = ("parallel.cp=1", "checkpoint.every_n_steps=1", "checkpoint.keep_last=3")
 
 
-COMMON = ("--set", "logging.wandb_mode=disabled", "--set", "logging.progress_bar=false", "--set", "train.max_steps=3",
-          "--set", "checkpoint.export=none")  # fmt: skip
-
-
-def test_two_nodes_on_localhost_match_one_process(tmp_path: Path) -> None:
+def test_two_nodes_on_localhost_match_one_process(tmp_path: Path, runs) -> None:
     """Two "nodes" of 2 processes each (launch/multi_node.sh, loopback rendezvous) train one CP group of 4 laid out
     as the scripts intend: Ulysses inside a node (consecutive ranks), ring across the nodes (parallel.cp_ring=2).
     One CP group: the run must match the single-process run step by step."""
-    env = {**BASE_ENV, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
     out = tmp_path / "two_nodes"
     nodes = {"NNODES": "2", "GPUS_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
              "RECIPE": "recipes/tiny/wan.yaml"}  # fmt: skip
-    args = ["bash", "launch/multi_node.sh", *COMMON, "--set", f"output_dir={out}", "--set", "parallel.cp=4",
-            "--set", "parallel.cp_ring=2"]  # fmt: skip
-    procs = [subprocess.Popen(args, cwd=REPO, env={**env, **nodes, "NODE_RANK": str(r)}, stdout=subprocess.PIPE,
+    sets = [*QUIET, f"output_dir={out}", "parallel.cp=4", "parallel.cp_ring=2"]
+    args = ["bash", "launch/multi_node.sh", *[a for s in sets for a in ("--set", s)]]
+    base = {**BASE_ENV, **ENV}
+    procs = [subprocess.Popen(args, cwd=REPO, env={**base, **nodes, "NODE_RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in (1, 0)]  # fmt: skip
-    logs = [p.communicate(timeout=400)[0] for p in procs]
+    try:
+        logs = [p.communicate(timeout=LAUNCH_TIMEOUT_S)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-4000:] for log in logs)
     layout = json.loads((out / "layout.json").read_text())
     assert layout["mesh"].startswith("mesh dp_replicate=1 × dp_shard=1 × cp=4 (ring 2 × ulysses 2) = 4 ranks")
     assert "SUM over cp=4" in layout["gradient_reduction"]
-
-    ref = tmp_path / "one_process"
-    cmd = [sys.executable, "-m", "train.launch", "--config_file", "configs/accelerate/cpu.yaml", "--num_processes",
-           "1", "train/finetune.py", "--recipe", "recipes/tiny/wan.yaml", *COMMON, "--set", f"output_dir={ref}",
-           "--set", "parallel.cp=1"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-
-    two, one = _metrics(out), _metrics(ref)
-    assert [m["step"] for m in two] == [m["step"] for m in one] == [1, 2, 3]
-    for a, b in zip(two, one):
-        for key in ("loss", "grad_norm"):
-            rel = abs(a[key] - b[key]) / abs(b[key])
-            assert rel <= REL_TOL, f"step {a['step']}: {key} {a[key]} (2 nodes) vs {b[key]} (1 process), rel {rel:.1e}"
+    two = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    one = runs("recipes/tiny/wan.yaml", *SERIAL).metrics
+    assert [m["step"] for m in two] == [m["step"] for m in one] == [1, 2, 3, 4]
+    assert_same_steps(two, one, "2 nodes × 2 processes (cp 4 = ring 2 × ulysses 2) vs 1 process")
     assert two[-1]["loss"] != two[0]["loss"]

@@ -1,42 +1,28 @@
-"""LTX variants: LTX trains with its text mask under CP, and LTX-Video image-to-video (`ltx_i2v`).
+"""LTX variants: LTX-Video image-to-video (`ltx_i2v`) and LTX-2 (audio + video, not a family).
 
-- The LTX family feeds its padded text mask under CP (its processors expand it per head; train/cp/ulysses.py shards
-  it by head) and the image-to-video family its per-token (B, S) timestep, which the LTX plan splits like the tokens.
-  Model-level parity of both at CP 2/3/4 (every gradient) runs in tests/test_cp_models.py with every family; the
-  op-level per-head mask cases are in tests/test_cp_attention.py.
-- ltx_i2v's cache: latent frame 0 equals what LTXImageToVideoPipeline.prepare_latents conditions on, for the same image.
-- Both tiny recipes through the real entry point (accelerate launch, train/finetune.py) at CP 3 on 3 processes equal
-  the 1-process run (loss, grad-norm within 1e-5 relative); ltx_i2v's LoRA export loads in LTXImageToVideoPipeline.
+- ltx_i2v's per-token (B, S) timestep (0 on the clean frame 0) packed like the tokens; its cache: latent frame 0
+  equals what LTXImageToVideoPipeline.prepare_latents conditions on, for the same image.
+- LTX-2 with both padded text masks under CP 2, 3 and 4: outputs and every gradient equal the serial run's, and each
+  rank really holds a partial gradient (the audio stream too is split).
+Elsewhere: model-level parity of LTX (its padded per-head text mask) and ltx_i2v at every CP layout in
+tests/test_cp_models.py (the op-level per-head mask cases in tests/test_cp_attention.py); both tiny pipelines'
+caches trained through the launcher (ltx_i2v under CP 3) with the serial oracle's first step, and their LoRA exports
+reloaded into their pipelines, in tests/test_families_e2e.py.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests import tiny_models as tm
-from train.models import build_tiny_pipeline, get_encoder, get_family
-
-REPO = Path(__file__).resolve().parents[1]
-REL_TOL = 1e-5
-
-
-def test_ltx_feeds_its_text_mask_under_cp() -> None:
-    case = tm.family_case("ltx", cp=True)
-    mask = case.kwargs["encoder_attention_mask"]
-    assert mask is not None and not mask.all()  # sample 0 pads its last 2 tokens
-    assert torch.equal(case.kwargs["encoder_hidden_states"], case.batch["prompt_embeds"])  # text not cut
+from tests.harness import rank_job
+from train.models import get_encoder
+from train.tools import tiny_models as tm
 
 
 def test_ltx_i2v_per_token_timestep() -> None:
     """(B, S) timesteps packed like the tokens: 0 on frame 0's tokens, sigma * 1000 on the others, per sample."""
-    case = tm.family_case("ltx_i2v", cp=True)
+    case = tm.family_case("ltx_i2v")
     _, _, frames, height, width = case.batch["latents"].shape
     timestep, hidden = case.kwargs["timestep"], case.kwargs["hidden_states"]
     assert timestep.shape == hidden.shape[:2] == (case.batch["latents"].shape[0], frames * height * width)
@@ -51,13 +37,13 @@ def test_ltx_i2v_per_token_timestep() -> None:
     assert torch.equal(hidden[:, :first], clean[:, :first]) and not torch.equal(hidden[:, first:], clean[:, first:])
 
 
-def test_ltx_i2v_cache_is_the_pipelines_condition(tmp_path: Path) -> None:
+def test_ltx_i2v_cache_is_the_pipelines_condition(tiny_pipeline) -> None:
     """Frame 0 of the cached latents equals prepare_latents' conditioned frame for the same image (a PIL image through
     the pipeline's own preprocessing and VAE sample, same generator seed); the other frames are LTX's video latents."""
     from diffusers import LTXImageToVideoPipeline
     from PIL import Image
 
-    path = build_tiny_pipeline("ltx_i2v", tmp_path / "pipe")
+    path = tiny_pipeline("ltx_i2v")
     pipe = LTXImageToVideoPipeline.from_pretrained(path)
     h, w, frames = 32, 64, 9
     image = torch.randint(0, 256, (3, h, w), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
@@ -84,6 +70,7 @@ def test_ltx_i2v_cache_is_the_pipelines_condition(tmp_path: Path) -> None:
 GRAD_TOL = {torch.float32: 2e-5, torch.float64: 1e-10}
 
 
+@rank_job(2, 3, 4)
 def _ltx2_ranks(rank: int, world: int) -> dict:
     """LTX-2 (audio + video, not a family) with both padded text masks, under CP vs serial: outputs and every
     gradient after the SUM over CP, in fp32 and fp64; and the MEAN, which must be wrong for every parameter (each
@@ -123,10 +110,8 @@ def _ltx2_ranks(rank: int, world: int) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_ltx2_with_text_masks_matches_serial(world: int) -> None:
-    from tests.distributed import run_distributed
-
-    res = run_distributed(_ltx2_ranks, world)[0]
+def test_ltx2_with_text_masks_matches_serial(group, world: int) -> None:
+    res = group(_ltx2_ranks, world)[0]
     for dtype, r in res.items():
         worst = max(r["sum"], key=r["sum"].get)
         print(f"ltx2 CP {world} {dtype}: out {r['out']:.2e}, max rel grad {r['sum'][worst]:.2e} ({worst})")
@@ -134,47 +119,3 @@ def test_ltx2_with_text_masks_matches_serial(world: int) -> None:
         assert r["out"] <= {torch.float32: 1e-5, torch.float64: 1e-10}[dtype], r["out"]
         assert r["sum"][worst] <= GRAD_TOL[dtype], (worst, r["sum"][worst])
         assert r["mean"] >= 0.5 * (1 - 1 / world), r["mean"]
-
-
-def _train(family: str, out: Path, nproc: int) -> list[dict]:
-    import json
-
-    with socket.socket() as sock:  # a free rendezvous port: other launches may hold accelerate's default
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu.yaml",
-           "--num_processes", str(nproc), "--main_process_port", str(port), "train/finetune.py",
-           "--recipe", f"recipes/tiny/{family}.yaml",
-           f"--set=output_dir={out}", f"--set=parallel.cp={nproc}", "--set=train.max_steps=2",
-           "--set=logging.wandb_mode=disabled", "--set=logging.progress_bar=false"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.mark.parametrize("family", ["ltx", "ltx_i2v"])
-def test_tiny_recipe_trains_under_cp3(family: str, tmp_path: Path) -> None:
-    serial, cp3 = _train(family, tmp_path / "cp1", 1), _train(family, tmp_path / "cp3", 3)
-    assert [m["step"] for m in cp3] == [1, 2]
-    for a, b in zip(cp3, serial):
-        for key in ("loss", "grad_norm"):
-            assert abs(a[key] - b[key]) <= REL_TOL * abs(b[key]), f"{family} step {a['step']} {key}: {a} vs {b}"
-    if family != "ltx_i2v":
-        return
-    # The LoRA export loads into LTXImageToVideoPipeline with the trained values.
-    from diffusers import LTXImageToVideoPipeline
-    from safetensors.torch import load_file
-
-    assert get_family(family).pipeline_class == "LTXImageToVideoPipeline"
-    pipe = LTXImageToVideoPipeline.from_pretrained(build_tiny_pipeline(family, tmp_path / "pipe"))
-    pipe.load_lora_weights(tmp_path / "cp3" / "lora")
-    exported = load_file(tmp_path / "cp3" / "lora" / "pytorch_lora_weights.safetensors")
-    loaded = {n: p for n, p in pipe.transformer.named_parameters() if "lora_" in n}
-    assert len(loaded) == len(exported) > 0
-    for name, value in exported.items():
-        module, kind = name.removeprefix("transformer.").rsplit(".lora_", 1)
-        match = [p for n, p in loaded.items() if n.startswith(module + ".lora_" + kind.split(".")[0] + ".")]
-        assert len(match) == 1 and torch.equal(match[0], value), name
-    lora_layer = pipe.transformer.transformer_blocks[0].attn1.to_q
-    assert lora_layer.scaling[next(iter(lora_layer.scaling))] == 8.0 / 4  # lora_alpha / rank of the tiny recipe

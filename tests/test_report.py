@@ -1,38 +1,33 @@
 """The run report (train/report.py): written by the trainer at the end of a run, from the files the run wrote.
 
-One tiny CP 2 run with wandb offline (3 steps): its output_dir holds report.md and the charts, the report's numbers
-are those of metrics.jsonl, memory.json and the layout, `python -m train.report` rewrites the same report, and the
-wandb offline run holds the same chart images under files/media/.
+One tiny CP 2 run with wandb offline (4 steps; the session's shared launch, tests/test_finetune.py's CP 2 LoRA run):
+its output_dir holds report.md and the charts, the report's numbers are those of metrics.jsonl, memory.json and the
+layout, `python -m train.report` rewrites the same report, and the wandb offline run holds the same chart images
+under files/media/.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
 CHARTS = {"loss", "grad_norm", "lr", "tokens_per_s", "peak_memory"}
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("report") / "run"
-    cmd = [sys.executable, "-m", "train.launch", "--config_file", "configs/accelerate/cpu.yaml", "--num_processes",
-           "2", "train/finetune.py", "--recipe", "recipes/tiny/wan.yaml", "--set", f"output_dir={out}", "--set",
-           "parallel.cp=2", "--set", "train.max_steps=3", "--set", "logging.wandb_mode=offline", "--set",
-           "logging.progress_bar=false"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert f"report: {out / 'report.md'} (5 charts" in proc.stdout
-    return out
+# The CP 2 tiny-wan LoRA run with wandb offline (4 steps, a checkpoint after each) that tests/test_finetune.py and
+# tests/test_validation.py share: identical overrides, one launch per session.
+CP2 = ("parallel.cp=2", "logging.wandb_mode=offline", "checkpoint.every_n_steps=1", "checkpoint.keep_last=3")
+
+
+@pytest.fixture
+def run(runs) -> Path:
+    done = runs("recipes/tiny/wan.yaml", *CP2, nproc=2)
+    assert f"report: {done.out / 'report.md'} (5 charts" in done.stdout
+    return done.out
 
 
 def _rows(md: str) -> dict[str, str]:
@@ -46,15 +41,15 @@ def test_report_numbers_are_the_runs(run: Path) -> None:
     lines = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     rows = _rows((run / "report.md").read_text())
     last = lines[-1]
-    assert last["step"] == 3
-    assert math.isclose(float(rows["final loss (step 3)"]), last["loss"], rel_tol=1e-5)
+    assert last["step"] == 4
+    assert math.isclose(float(rows["final loss (step 4)"]), last["loss"], rel_tol=1e-5)
     assert math.isclose(float(rows["first loss (step 1)"]), lines[0]["loss"], rel_tol=1e-5)
-    assert math.isclose(float(rows["final grad norm (step 3)"]), last["grad_norm"], rel_tol=1e-5)
-    assert rows["steps logged"].startswith("3 (steps 1-3 of max_steps 3")
+    assert math.isclose(float(rows["final grad norm (step 4)"]), last["grad_norm"], rel_tol=1e-5)
+    assert rows["steps logged"].startswith("4 (steps 1-4 of max_steps 4")
     assert rows["world size"] == "2" and rows["dp_replicate × dp_shard × cp"] == "1 × 1 × 2"
     assert rows["cp plan"].endswith("cp_plans/wan.yaml")
-    tps = sum(m["transformer_tokens_per_s"] for m in lines[1:]) / 2
-    assert math.isclose(float(rows["transformer tokens/s, whole job (mean of steps 2-3)"]), tps, rel_tol=1e-5)
+    tps = sum(m["transformer_tokens_per_s"] for m in lines[1:]) / 3
+    assert math.isclose(float(rows["transformer tokens/s, whole job (mean of steps 2-4)"]), tps, rel_tol=1e-5)
     peak = max(m["peak_mem_bytes"] for m in lines)
     assert rows["measured peak, rank 0"].startswith(f"{peak / 2**30:.2f} GiB")
 
@@ -88,10 +83,10 @@ def test_wandb_offline_run_holds_the_charts(run: Path) -> None:
     the same PNG bytes."""
     (wandb_run,) = (run / "wandb").glob("offline-run-*")
     media = sorted((wandb_run / "files" / "media" / "images" / "report").glob("*.png"))
-    names = {m.name.split("_3_")[0] for m in media}  # <key>_<step>_<hash>.png
+    names = {m.name.split("_4_")[0] for m in media}  # <key>_<step>_<hash>.png
     assert names == CHARTS, media
     for m in media:
-        assert m.read_bytes() == (run / "report" / (m.name.split("_3_")[0] + ".png")).read_bytes()
+        assert m.read_bytes() == (run / "report" / (m.name.split("_4_")[0] + ".png")).read_bytes()
 
 
 def test_report_failure_is_one_line_not_an_error(tmp_path: Path, capsys) -> None:

@@ -1,25 +1,26 @@
 """Resume is exact or refused: the checkpoint's recipe against the resuming one (train/resume.py), unit cases and
-through the real entry point."""
+a resume with a new lr through the real entry point. The refusal through the entry point (one line naming each field,
+exit code 2, the run untouched) is tests/test_bad_inputs.py's `resume_changed_model_and_lr`; exact resume at the same
+and at another CP degree is tests/test_finetune.py's `test_resume_from_step_2_matches_the_uninterrupted_run`."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.test_finetune import REPO, launch, metrics
+from tests.harness import REPO, train
 from train.config import load_recipe, recipe_to_dict
 from train.errors import UserError
 from train.resume import APPLY, SAME, SCHEDULE, plan_resume, rule
 
+TINY = "recipes/tiny/wan.yaml"
 LAYOUT = {"dp_replicate": 1, "dp_shard": 1, "cp": 2}
 
 
 def _recipe(*sets: str) -> dict:
-    return recipe_to_dict(load_recipe(REPO / "recipes/tiny/wan.yaml", list(sets)))
+    return recipe_to_dict(load_recipe(REPO / TINY, list(sets)))
 
 
 def _plan(saved: dict, new: dict, reset: bool = False, layout: dict = LAYOUT):
@@ -68,45 +69,20 @@ def test_applied_changes_and_layout_notes() -> None:
     assert "same samples and order" in _plan(saved, saved, layout={**LAYOUT, "cp": 1}).notes[0]
 
 
-@pytest.fixture(scope="module")
-def two_steps(tmp_path_factory) -> Path:
-    """A 1-process run stopped after 2 of 4 steps with a checkpoint at step 2 (copied per test)."""
-    out = tmp_path_factory.mktemp("resume") / "base"
-    launch(out, 1, "recipes/tiny/wan.yaml", *COMMON, "train.max_steps=2")
-    return out
+# The serial tiny-wan LoRA run (4 steps, a checkpoint after each, the last 3 kept) that tests/test_finetune.py and
+# tests/test_bad_inputs.py share: identical overrides, one launch per session.
+SERIAL = ("parallel.cp=1", "checkpoint.every_n_steps=1", "checkpoint.keep_last=3")
 
 
-COMMON = ("logging.wandb_mode=disabled", "parallel.cp=1", "checkpoint.every_n_steps=2", "checkpoint.keep_last=1")
-
-
-def _copy(src: Path, dst: Path) -> Path:
-    import shutil
-
-    shutil.copytree(src, dst)
-    return dst
-
-
-def test_resume_refuses_a_changed_model_in_one_line(two_steps: Path, tmp_path: Path) -> None:
-    """A LoRA checkpoint resumed onto a model with fewer layers used to drop adapters silently (exit 0)."""
-    out = _copy(two_steps, tmp_path / "fewer")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu.yaml",
-           "--num_processes", "1", "train/finetune.py", "--recipe", "recipes/tiny/wan.yaml", "--resume",
-           *[a for o in (*COMMON, f"output_dir={out}", "train.max_steps=4", "model.init_config.num_layers=1",
-                         "train.lr=0.01") for a in ("--set", o)]]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
-    assert proc.returncode != 0, proc.stderr[-2000:]  # the rank exits 2; the launcher reports it as a failure
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
-    assert len(errors) == 1 and "model.init_config" in errors[0] and "train.lr" in errors[0], errors
-    assert [m["step"] for m in metrics(out)] == [1, 2]
-
-
-def test_resume_with_a_new_lr_and_reset_schedule(two_steps: Path, tmp_path: Path) -> None:
-    """The new lr applies from the resume step (it was silently ignored); other applied changes are printed."""
-    out = _copy(two_steps, tmp_path / "lr")
-    proc = launch(out, 1, "recipes/tiny/wan.yaml", *COMMON, "train.max_steps=4", "train.lr=0.01",
-                  "logging.every_n_steps=1", resume=True, extra=["--reset-lr-schedule"])  # fmt: skip
-    lines = metrics(out)
-    assert [m["step"] for m in lines] == [1, 2, 3, 4]
-    assert [m["lr"] for m in lines] == [0.001, 0.001, 0.01, 0.01]
-    assert "resume: train.lr: 0.001 -> 0.01 (schedule restarted at the resume step)" in proc.stdout
+def test_resume_with_a_new_lr_and_reset_schedule(runs, tmp_path: Path) -> None:
+    """A copy of the serial run with only its step-2 checkpoint resumes with a new lr and `--reset-lr-schedule`: the
+    new lr applies from the resume step (it was silently ignored); the applied change is printed."""
+    out = tmp_path / "lr"
+    shutil.copytree(runs(TINY, *SERIAL).out, out)
+    for later in ("step_000003", "step_000004"):
+        shutil.rmtree(out / "checkpoints" / later)
+    run = train(out, TINY, *SERIAL, "train.lr=0.01", "logging.every_n_steps=1", resume=True,
+                extra=["--reset-lr-schedule"])  # fmt: skip
+    assert [m["step"] for m in run.metrics] == [1, 2, 3, 4]
+    assert [m["lr"] for m in run.metrics] == [0.001, 0.001, 0.01, 0.01]
+    assert "resume: train.lr: 0.001 -> 0.01 (schedule restarted at the resume step)" in run.stdout

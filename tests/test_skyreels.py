@@ -1,27 +1,25 @@
-"""SkyReels-V2 (no diffusers CP plan: cp_plans/skyreels_v2.yaml): per-frame (diffusion-forcing) sigmas, the T2V (B,)
-timestep under CP, the tiny recipe under CP 3 vs 1 process through the real entry point, and its LoRA export loaded
-by the diffusion-forcing pipeline. Model-level parity of the diffusion-forcing case at CP 2, 3, 4 is in
-tests/test_cp_models.py (the family's tiny recipe: per-frame timesteps that differ per frame)."""
+"""SkyReels-V2 (no diffusers CP plan: cp_plans/skyreels_v2.yaml): per-frame (diffusion-forcing) sigmas, the per-frame
+loss weights, the forward kwargs of both pipelines, and the T2V (B,) timestep (`train.frame_sigmas: shared`) under
+CP 3 vs serial. Model-level parity of the diffusion-forcing case (the family's tiny recipe: per-frame timesteps that
+differ per frame) at every CP layout is in tests/test_cp_models.py; the tiny pipeline's cache trained under CP 3
+with the serial oracle's first step, and its LoRA export loaded by the diffusion-forcing pipeline, in
+tests/test_families_e2e.py."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+import dataclasses
 
 import pytest
 import torch
 
-from tests.distributed import run_distributed
-from tests.tiny_models import FamilyCase, build_model, family_case, family_loss, output_tensors, tiny_recipe
+from tests.harness import rank_job
 from train import objective
-from train.data.synthetic_latents import SyntheticLatentDataset
 from train.errors import UserError
 from train.models import get_family, tiny_config
+from train.step import Objective, StepInputs, prepare
+from train.tools.probe import family_batch
+from train.tools.tiny_models import build_model, family_case, tiny_recipe
 
-REPO = Path(__file__).resolve().parents[1]
 NAME = "skyreels_v2"
 
 
@@ -56,90 +54,40 @@ def test_forward_kwargs_are_the_pipelines() -> None:
     """The diffusion-forcing kwargs are what SkyReelsV2DiffusionForcingPipeline passes (timestep (B, F) per frame,
     enable_diffusion_forcing, fps indices); the T2V ones what SkyReelsV2Pipeline passes (timestep (B,))."""
     case = family_case(NAME, seed=3)
-    sigmas = case.sigmas["latents"].reshape(1, -1)
-    assert torch.equal(case.kwargs["timestep"], sigmas * 1000)
+    sigmas = case.sigmas["latents"].flatten(1)  # (B, 1, F, 1, 1) -> (B, F)
+    assert sigmas.shape[1] > 1 and torch.equal(case.kwargs["timestep"], sigmas * 1000)
     assert case.kwargs["enable_diffusion_forcing"] is True and case.kwargs["fps"] == [1]
     t2v = _t2v_case()
     assert t2v.kwargs["timestep"].shape == (2,) and "enable_diffusion_forcing" not in t2v.kwargs
 
 
-def _t2v_case(seed: int = 1) -> FamilyCase:
-    """The tiny recipe's shapes with two samples and one sigma per sample (train.frame_sigmas: shared)."""
-    spec, shapes = get_family(NAME), dict(tiny_recipe(NAME).data.synthetic.shapes)
-    data = SyntheticLatentDataset(2, shapes, seed=seed, dtype=torch.float32)
-    batch = {k: torch.stack([data[i][k] for i in range(2)]) for k in shapes}
-    gen = torch.Generator().manual_seed(10_000 + seed)
-    sigmas = objective.sample_stream_sigmas(2, spec, frame_sigmas="shared", generator=gen)
-    noise = {"latents": objective.sample_noise(batch["latents"].shape, generator=gen)}
-    noisy = {"latents": objective.add_noise(batch["latents"], noise["latents"], sigmas["latents"])}
-    kwargs = spec.forward_kwargs(batch, noisy, sigmas, model_config=tiny_config(NAME), cp=True)
-    return FamilyCase(spec, batch, noise, sigmas, noisy, kwargs)
+def _t2v_case(seed: int = 1) -> StepInputs:
+    """A training step of the tiny recipe's shapes, two samples, one sigma per sample (train.frame_sigmas: shared),
+    through the trainer's own `prepare`."""
+    spec = get_family(NAME)
+    shared = dataclasses.replace(Objective.of(tiny_recipe(NAME), spec), frame_sigmas="shared")
+    batch = family_batch(NAME, seed, batch_size=2)
+    return prepare(spec, batch, shared, torch.Generator().manual_seed(10_000 + seed), model_config=tiny_config(NAME))
 
 
-def _parity(rank: int, world: int) -> dict:
+@rank_job(3)
+def _t2v_parity(rank: int, world: int) -> dict[str, float]:
+    """The T2V step on CP 3 (gradients SUM-reduced) vs the serial oracle (train/tools/oracle.py)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from train.cp import enable_context_parallel
-    from train.cp.reduce import GradReduction
+    from train.cp import GradReduction, enable_context_parallel
+    from train.tools.oracle import compare, run_step
 
-    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses"))
-    reduction = GradReduction("allreduce", cp_group=mesh["ulysses"].get_group())
-    out = {}
-    for label, case in (("t2v", _t2v_case()), ("df", family_case(NAME, seed=2))):
-        serial = build_model(NAME, seed=0)
-        family_loss(case, output_tensors(NAME, serial(**case.kwargs, return_dict=False)), serial.config).backward()
-        model = build_model(NAME, seed=0)
-        enable_context_parallel(model, mesh=mesh)
-        loss = family_loss(case, output_tensors(NAME, model(**case.kwargs, return_dict=False)), model.config)
-        loss.backward()
-        reduction.reduce_gradients(model.parameters())
-        ref = dict(serial.named_parameters())
-        out[label] = max(
-            ((p.grad - ref[n].grad).abs().max() / ref[n].grad.abs().max()).item()
-            for n, p in model.named_parameters()
-            if p.requires_grad
-        )
-    return out
+    case = _t2v_case()
+    serial = run_step(build_model(NAME, seed=0), case)
+    model = build_model(NAME, seed=0)
+    state = enable_context_parallel(model, mesh=init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses")))
+    errors = compare(run_step(model, case, reduce=GradReduction("allreduce", cp_group=state.cp_group).reduce_gradients),
+                     serial)  # fmt: skip
+    return {"out": errors.out, "loss": errors.loss, "grad": errors.grad, "grads": len(errors.grads)}
 
 
-def test_t2v_and_diffusion_forcing_match_serial_under_cp3() -> None:
-    for rank_result in run_distributed(_parity, 3):
-        assert rank_result["t2v"] <= 2e-5 and rank_result["df"] <= 2e-5, rank_result
-
-
-def _train(recipe: Path, out: Path, nproc: int) -> list[dict]:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu.yaml",
-           "--num_processes", str(nproc), "train/finetune.py", "--recipe", str(recipe), f"--set=output_dir={out}",
-           f"--set=parallel.cp={nproc}", "--set=train.max_steps=2", "--set=logging.wandb_mode=disabled",
-           "--set=checkpoint.export=lora"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def test_tiny_recipe_cp3_matches_one_process_and_lora_loads(tmp_path: Path) -> None:
-    recipe = REPO / "recipes" / "tiny" / f"{NAME}.yaml"
-    serial, cp3 = _train(recipe, tmp_path / "cp1", 1), _train(recipe, tmp_path / "cp3", 3)
-    assert [m["step"] for m in cp3] == [1, 2]
-    for a, b in zip(cp3, serial):
-        for key in ("loss", "grad_norm"):
-            assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), f"step {a['step']} {key}: {a} vs {b}"
-
-    # The CP run's LoRA export loads into the diffusion-forcing pipeline with its trained values and scale.
-    from diffusers import SkyReelsV2DiffusionForcingPipeline
-    from safetensors.torch import load_file
-
-    from train.models import build_tiny_pipeline
-
-    pipe = SkyReelsV2DiffusionForcingPipeline.from_pretrained(build_tiny_pipeline(NAME, tmp_path / "pipe"))
-    pipe.load_lora_weights(tmp_path / "cp3" / "lora")
-    exported = load_file(tmp_path / "cp3" / "lora" / "pytorch_lora_weights.safetensors")
-    loaded = {n: p for n, p in pipe.transformer.named_parameters() if "lora_" in n}
-    assert len(loaded) == len(exported) > 0
-    for name, value in exported.items():  # transformer.blocks.0.attn1.to_q.lora_A.weight → ...lora_A.<adapter>.weight
-        module, kind = name.removeprefix("transformer.").rsplit(".lora_", 1)
-        match = [p for n, p in loaded.items() if n.startswith(module + ".lora_" + kind.split(".")[0] + ".")]
-        assert len(match) == 1 and torch.equal(match[0], value), name
-    lora_layer = pipe.transformer.blocks[0].attn1.to_q
-    assert lora_layer.scaling[next(iter(lora_layer.scaling))] == 8.0 / 4
+def test_t2v_timestep_matches_serial_under_cp3(group) -> None:
+    for rank, errors in enumerate(group(_t2v_parity, 3)):
+        assert errors["grads"] == sum(p.requires_grad for p in build_model(NAME).parameters()), (rank, errors)
+        assert errors["out"] <= 1e-5 and errors["loss"] <= 2e-5 and errors["grad"] <= 2e-5, (rank, errors)

@@ -1,4 +1,4 @@
-"""Serial sanity checks for tests/tiny_models.py (CPU, fast). Run with ``-s`` to see the per-model summary.
+"""Serial sanity checks for train/tools/tiny_models.py (CPU, fast). Run with ``-s`` to see the per-model summary.
 
 Generic over the discovered families (every family's tiny transformer and its spec-built inputs) plus the two guard
 models (Helios, LTX-2).
@@ -17,9 +17,9 @@ import torch
 from diffusers.models.attention import AttentionModuleMixin
 from diffusers.models.attention_processor import Attention
 
-from tests import tiny_models as tm
 from train.cp.plans import local_attention_processors, plan_for, resolve_plan
 from train.models import family_names, get_family
+from train.tools import tiny_models as tm
 
 CP_DEGREES = (2, 3, 4)
 
@@ -55,7 +55,7 @@ def test_names() -> None:
 
 @pytest.mark.parametrize("name", tm.FAMILY_NAMES)
 def test_tiny_config_is_the_tiny_recipe_init_config(name: str) -> None:
-    """The family's tiny config (train/models/<family>/tiny.py) is what its tiny recipe random-initialises."""
+    """The family's tiny config (``train.models.tiny_config``, read as plain YAML) is what its tiny recipe validates."""
     recipe = tm.tiny_recipe(name)
     assert recipe.model.family == name
     assert {k: _plain(v) for k, v in tm.tiny_config(name).items()} == _plain(recipe.model.init_config)
@@ -190,7 +190,7 @@ def test_family_split_tokens_not_divisible_by_cp_degrees(name: str) -> None:
     # every cached tensor's shape: editing families count their reference tokens from reference_latents
     shapes = {k: x.shape[1:] for k, x in case.batch.items()} | {s: x[1:] for s, x in case.shapes.items()}
     tokens = case.spec.tokens_per_sample(shapes, tm.tiny_config(name))
-    text = case.kwargs[case.spec.text_kwarg].shape[1]
+    text = case.kwargs["encoder_hidden_states"].shape[1]
     assert {tokens, tokens + text} & set(split.values()), (tokens, text, split)
 
 
@@ -239,35 +239,24 @@ def test_some_family_has_unused_params() -> None:
     assert any(tm.frozen_params(n, tm.tiny_config(n)) for n in tm.FAMILY_NAMES)  # Qwen-Image's last text stream
 
 
-@pytest.mark.parametrize("name", tm.FAMILY_NAMES)
-def test_family_text_masks(name: str) -> None:
-    """Default inputs carry the text mask where CP can feed it (padded, different per sample); where it can't, the
-    mask is dropped and the text cut to the longest prompt, and `with_text_mask=True` gives the padded mask."""
-    spec = get_family(name)
-    plain = tm.build_inputs(name)
-    if spec.text_mask_kwarg is None:
-        with pytest.raises(ValueError):
-            tm.build_inputs(name, with_text_mask=True)
-        return
-    masked = tm.build_inputs(name, with_text_mask=True)
-    mask = masked[spec.text_mask_kwarg]
-    assert mask is not None and (mask == 0).any() and (mask == 1).any()
-    if spec.text_mask_fed_in_cp:
-        assert torch.equal(plain[spec.text_mask_kwarg], mask)
-        if mask.shape[0] > 1:
-            assert (mask[0] != mask[1]).any()  # different padding per sample
-        return
-    kept = int(mask.bool().any(dim=0).nonzero().max()) + 1
-    assert torch.equal(plain[spec.text_kwarg], masked[spec.text_kwarg][:, :kept])
-    if spec.text_mask_required:  # the forward needs a tensor (HunyuanVideo): all ones over the cut text
-        assert plain[spec.text_mask_kwarg].shape == (mask.shape[0], kept) and bool(plain[spec.text_mask_kwarg].all())
-    else:
-        assert plain[spec.text_mask_kwarg] is None
-    model = tm.build_model(name)
-    with torch.no_grad():
-        out_plain = tm.output_tensors(name, model(**plain, return_dict=False))
-        out_masked = tm.output_tensors(name, model(**masked, return_dict=False))
-    assert out_plain[0].shape == out_masked[0].shape
+MASKED = [n for n in tm.FAMILY_NAMES if any(k.endswith("_mask") for k in tm.tiny_recipe(n).data.synthetic.shapes)]
+
+
+@pytest.mark.parametrize("name", MASKED)
+def test_family_text_masks_pad_each_prompt_to_its_own_length(name: str) -> None:
+    """The inputs every CP test feeds carry the family's text masks as its pipeline passes them (the same with and
+    without CP): 2 samples whose prompts keep different numbers of tokens, each padded over more positions than any
+    last rank of 2, 3 or 4 holds of the text (the tail), so a mask applied in the wrong key order hides kept tokens
+    (the bug class HunyuanVideo's joint mask had)."""
+    case = tm.family_case(name, batch_size=2)
+    for key in (k for k in case.batch if k.endswith("_mask")):
+        mask = case.batch[key].bool()
+        kept = mask.sum(dim=-1).tolist()
+        assert kept[0] != kept[1] and all(k >= 1 for k in kept), (key, kept)
+        assert all(bool(m[:k].all()) and not bool(m[k:].any()) for m, k in zip(mask, kept)), key  # right-padded
+        n = mask.shape[-1]
+        assert all(n - k > n // 2 for k in kept), (key, kept, n)  # more than the tail's share at CP 2 padded
+    assert MASKED and len(MASKED) >= 4, MASKED
 
 
 def test_ltx2_text_mask_inputs() -> None:

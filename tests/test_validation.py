@@ -1,69 +1,63 @@
 """Validation samples (train/validation.py): the family's diffusers pipeline around the training transformer.
 
-Three launches of the tiny Wan recipe with the tiny WanPipeline's VAE and text encoder (`model.pretrained_path`), 4
-LoRA steps, samples (2 prompts, 2 denoising steps, 9 × 32 × 32) at steps 0, 2 and 4, started together:
-- CP 2 on 2 processes, wandb offline (the demo's setting): decodable mp4 files under samples/step_N/, the same videos
-  in the wandb offline run's files/media/, report.md;
-- CP 2 with validation off: the same loss, grad norm and lr at every step as with it on;
-- 1 process: its float samples (`save_tensors`) equal the CP 2 ones: exactly at step 0 (Ulysses computes each head
-  over the whole sequence, as the serial forward does); at steps 2 and 4 the weights differ between the layouts by
-  float rounding of the gradient reductions (tests/test_finetune.py: ≤ 1e-5 relative), so the samples are compared
-  within 1e-4 absolute (pixels in [0, 1]; measured ≤ 1.2e-5), while training moves them by more than 2e-3 (measured
-  ~7e-3): the sample of a step is rendered with that step's weights. The last step's sample also equals the plain
-  diffusers pipeline's with the exported LoRA loaded (`load_lora_weights`) on the same random base.
-In-process on a 1-rank group: an image family (FLUX.1 tiny) renders a png, an image-conditioned one (Wan 2.1 I2V) an
-mp4 from its image, each equal to the pipeline's own output.
+Launches through the session's `runs`, sharing tests/test_finetune.py's 4-step tiny-wan LoRA runs. One CP 2 launch
+on 2 processes with wandb offline (the demo's setting), the tiny WanPipeline's VAE and text encoder
+(`model.pretrained_path`, the session's `tiny_pipeline`), samples (2 prompts, 2 denoising steps, 9 × 32 × 32) at
+steps 0, 2 and 4:
+- decodable mp4 files under samples/step_N/, the same videos in the wandb offline run's files/media/, report.md;
+- the same CP 2 run without validation (tests/test_finetune.py's): the same loss, grad norm and lr at every step;
+- its float samples (`save_tensors`) equal the single-process ones, the plain diffusers pipeline (a fresh WanPipeline
+  on the recipe's random base, the validation's arguments and generators) with the serial run's weights: at step 0
+  the base (within 1e-5: another pipeline instance, FACTS ~2e-6), at step 4 the serial run's exported LoRA (within
+  1e-4 absolute, pixels in [0, 1]: the weights differ between the layouts by float rounding of the gradient
+  reductions, tests/test_finetune.py ≤ 1e-5 relative), while training moves them by more than 2e-3 (measured ~7e-3);
+  and the last sample equals that pipeline with the run's own exported LoRA (within 1e-5): the sample of a step is
+  rendered with that step's weights.
+An image family under CP: FLUX.1 tiny trained from its tiny pipeline's transformer at CP 2 (wandb offline) writes its
+step-0 sample as png (and logs it), equal to the single-process sample of the same weights (to 1e-6, the png to the
+8-bit level) and to the plain pipeline's own output.
+In-process on a 1-rank group (the single-process samples): an image family (FLUX.1 tiny) renders a png, an
+image-conditioned one (Wan 2.1 I2V) an mp4 from its image, each equal to the pipeline's own output.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.harness import REPO
+
+TINY = "recipes/tiny/wan.yaml"
 PROMPTS = ["a red square moving left", "a blue circle on a gray background"]
 FRAMES, SIZE, STEPS = 9, 32, 4
 VALIDATION = ("validation={prompts: [" + ", ".join(f"{{prompt: {p}}}" for p in PROMPTS) + "], every_n_steps: 2, "
               f"at_start: true, num_inference_steps: 2, height: {SIZE}, width: {SIZE}, num_frames: {FRAMES}, "
               "save_tensors: true}")  # fmt: skip
 SAMPLE_STEPS = (0, 2, 4)
-CP_TOL = 1e-4  # float frames, CP 2 vs 1 process (weights equal to float rounding; exactly equal at step 0)
+STEP0_TOL = 1e-6  # float frames at step 0, CP 2 vs the single-process validation (the same weights; FLUX.1)
+CP_TOL = 1e-4  # float frames, CP 2 vs the serial run's weights (equal to float rounding of the reductions)
 RELOAD_TOL = 1e-5  # the run's sample vs a fresh diffusers pipeline with the exported weights (FACTS: ~2e-6)
+# tests/test_finetune.py's runs (identical overrides: one launch each per session): a checkpoint after every step
+CKPT = ("checkpoint.every_n_steps=1", "checkpoint.keep_last=3")
+SERIAL = ("parallel.cp=1", *CKPT)
+CP2 = ("parallel.cp=2", "logging.wandb_mode=offline", *CKPT)
 
 
-def _cmd(out: Path, nproc: int, pipeline: Path, *overrides: str) -> list[str]:
-    sets = [f"output_dir={out}", f"parallel.cp={nproc}", f"train.max_steps={STEPS}", "logging.progress_bar=false",
-            f"model.pretrained_path={pipeline}", *overrides]  # fmt: skip
-    return [sys.executable, "-m", "train.launch", "--config_file", "configs/accelerate/cpu.yaml", "--num_processes",
-            str(nproc), "train/finetune.py", "--recipe", "recipes/tiny/wan.yaml",
-            *(a for s in sets for a in ("--set", s))]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    from train.models import build_tiny_pipeline
-
-    root = tmp_path_factory.mktemp("validation")
-    pipeline = build_tiny_pipeline("wan", root / "pipeline")
-    layouts = {"cp2": (2, VALIDATION, "logging.wandb_mode=offline"), "cp2_off": (2, "validation=null"),
-               "serial": (1, VALIDATION, "logging.wandb_mode=disabled")}  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
-    procs = {name: subprocess.Popen(_cmd(root / name, n, pipeline, *sets), cwd=REPO, env=env, text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for name, (n, *sets) in layouts.items()}  # fmt: skip
-    for name, proc in procs.items():
-        out, _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"{name}:\n{out[-6000:]}"
-        if name != "cp2_off":
-            assert f"validation: 2 sample(s) of step {STEPS} in {root / name / 'samples' / f'step_{STEPS}'}" in out
-    return {"pipeline": pipeline, **{name: root / name for name in layouts}}
+@pytest.fixture
+def wan(runs, tiny_pipeline) -> dict:
+    """The Wan runs: CP 2 with validation (one launch), and tests/test_finetune.py's CP 2 (without validation) and
+    serial runs."""
+    pipeline = tiny_pipeline("wan")
+    done = {"pipeline": pipeline, "cp2": runs(TINY, *CP2, f"model.pretrained_path={pipeline}", VALIDATION, nproc=2),
+            "cp2_off": runs(TINY, *CP2, nproc=2), "serial": runs(TINY, *SERIAL)}  # fmt: skip
+    out = done["cp2"].out
+    assert f"validation: 2 sample(s) of step {STEPS} in {out / 'samples' / f'step_{STEPS}'}" in done["cp2"].stdout
+    return {k: v if k == "pipeline" else v.out for k, v in done.items()}
 
 
 def _decode(path: Path) -> np.ndarray:
@@ -73,8 +67,8 @@ def _decode(path: Path) -> np.ndarray:
         return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
 
 
-def test_cp_run_writes_mp4_samples_wandb_media_and_report(runs: dict[str, Path]) -> None:
-    out = runs["cp2"]
+def test_cp_run_writes_mp4_samples_wandb_media_and_report(wan: dict[str, Path]) -> None:
+    out = wan["cp2"]
     for step in SAMPLE_STEPS:
         for i in range(len(PROMPTS)):
             frames = _decode(out / "samples" / f"step_{step}" / f"{i}.mp4")
@@ -89,7 +83,7 @@ def test_cp_run_writes_mp4_samples_wandb_media_and_report(runs: dict[str, Path])
     for path in logged:
         assert _decode(path).shape == (FRAMES, SIZE, SIZE, 3)
     assert (out / "report.md").is_file()
-    assert not (runs["cp2_off"] / "samples").exists()
+    assert not (wan["cp2_off"] / "samples").exists()
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -97,109 +91,169 @@ def _metrics(out: Path) -> list[dict]:
     return [{k: m[k] for k in ("step", "loss", "grad_norm", "lr")} for m in lines]
 
 
-def test_validation_on_and_off_log_identical_metrics(runs: dict[str, Path]) -> None:
-    on, off = _metrics(runs["cp2"]), _metrics(runs["cp2_off"])
+def test_validation_on_and_off_log_identical_metrics(wan: dict[str, Path]) -> None:
+    on, off = _metrics(wan["cp2"]), _metrics(wan["cp2_off"])
     assert [m["step"] for m in on] == list(range(1, STEPS + 1))
     assert on == off  # bit-identical: no RNG, mode or weight touched by the samples
 
 
-def test_cp_sample_equals_single_process_sample(runs: dict[str, Path]) -> None:
-    def sample(name: str, step: int, i: int) -> torch.Tensor:
-        return torch.load(runs[name] / "samples" / f"step_{step}" / f"{i}.pt")
-
-    for step in SAMPLE_STEPS:
-        for i in range(len(PROMPTS)):
-            a, b = sample("cp2", step, i), sample("serial", step, i)
-            assert a.shape == (FRAMES, SIZE, SIZE, 3)
-            err = (a - b).abs().max().item()
-            assert err <= (1e-6 if step == 0 else CP_TOL), (step, i, err)
-    moved = (sample("cp2", STEPS, 0) - sample("cp2", 0, 0)).abs().max().item()
-    assert moved > 20 * CP_TOL, moved  # ~7e-3 after 4 LoRA steps at lr 1e-3
-
-
-def test_last_sample_equals_diffusers_pipeline_with_exported_lora(runs: dict[str, Path]) -> None:
-    """The rendering path is the family's own pipeline: a fresh WanPipeline, the recipe's random-init base, the
-    exported LoRA loaded by diffusers, the same arguments and generator, gives the sample of the last step."""
+def _pipeline_samples(pipeline: Path, lora: Path | None) -> list[np.ndarray]:
+    """The family's own pipeline outside the trainer: a fresh WanPipeline on the recipe's random-init base (drawn as
+    the trainer draws it, train/modeling.py), `lora` loaded by diffusers (None: the step-0 weights), called with the
+    arguments and generators the validation uses: one float video per prompt."""
     from diffusers import WanPipeline, WanTransformer3DModel
 
     from train.config import load_recipe
 
-    recipe = load_recipe(REPO / "recipes/tiny/wan.yaml")
-    torch.manual_seed(recipe.train.seed)  # as the trainer's random init (train/modeling.py)
+    recipe = load_recipe(REPO / TINY)
+    torch.manual_seed(recipe.train.seed)
     base = WanTransformer3DModel.from_config(recipe.model.init_config)
-    pipe = WanPipeline.from_pretrained(runs["pipeline"], transformer=base)
-    pipe.load_lora_weights(runs["serial"] / "lora")
+    pipe = WanPipeline.from_pretrained(pipeline, transformer=base)
+    if lora is not None:
+        pipe.load_lora_weights(lora)
     pipe.set_progress_bar_config(disable=True)
-    for i, prompt in enumerate(PROMPTS):
-        out = pipe(prompt=prompt, num_inference_steps=2, height=SIZE, width=SIZE, num_frames=FRAMES, output_type="np",
-                   generator=torch.Generator().manual_seed(i)).frames[0]  # fmt: skip
-        ours = torch.load(runs["serial"] / "samples" / f"step_{STEPS}" / f"{i}.pt").numpy()
-        assert np.abs(out - ours).max() <= RELOAD_TOL
+    return [pipe(prompt=prompt, num_inference_steps=2, height=SIZE, width=SIZE, num_frames=FRAMES, output_type="np",
+                 generator=torch.Generator().manual_seed(i)).frames[0] for i, prompt in enumerate(PROMPTS)]  # fmt: skip
+
+
+def _sample(out: Path, step: int, i: int) -> np.ndarray:
+    return torch.load(out / "samples" / f"step_{step}" / f"{i}.pt").numpy()
+
+
+def test_cp_samples_equal_the_single_process_ones(wan: dict[str, Path]) -> None:
+    """The CP 2 run's samples against the single-process reference, the plain pipeline with the serial run's weights:
+    at step 0 the random base (within RELOAD_TOL: the same weights, another pipeline instance), at the last step the
+    serial run's exported LoRA (within CP_TOL: the weights differ by float rounding between the layouts); training
+    moved the sample by far more."""
+    errors = {}
+    for step, lora in ((0, None), (STEPS, wan["serial"] / "lora")):
+        tol = RELOAD_TOL if step == 0 else CP_TOL
+        for i, ref in enumerate(_pipeline_samples(wan["pipeline"], lora)):
+            ours = _sample(wan["cp2"], step, i)
+            assert ours.shape == (FRAMES, SIZE, SIZE, 3)
+            errors[step, i] = float(np.abs(ours - ref).max())
+            assert errors[step, i] <= tol, (step, i, errors[step, i])
+    print(f"CP 2 samples vs the single-process pipeline: max abs difference per (step, prompt) {errors}")
+    moved = np.abs(_sample(wan["cp2"], STEPS, 0) - _sample(wan["cp2"], 0, 0)).max()
+    assert moved > 20 * CP_TOL, moved  # ~7e-3 after 4 LoRA steps at lr 1e-3
+
+
+def test_last_sample_equals_diffusers_pipeline_with_exported_lora(wan: dict[str, Path]) -> None:
+    """The rendering path is the family's own pipeline, with the weights of the step: a fresh WanPipeline, the
+    recipe's random-init base, the CP 2 run's exported LoRA loaded by diffusers, the same arguments and generator,
+    gives that run's sample of the last step."""
+    for i, ref in enumerate(_pipeline_samples(wan["pipeline"], wan["cp2"] / "lora")):
+        assert np.abs(ref - _sample(wan["cp2"], STEPS, i)).max() <= RELOAD_TOL
 
 
 IN_PROCESS = {  # family: (validation settings, the file written, the reference pipeline needs the ftfy skip)
-    "flux": ("height: 32, width: 48, guidance_scale: 2.0", "0.png", False),  # an image family
+    "flux": ("height: 32, width: 48, guidance_scale: 2.0, save_tensors: true", "0.png", False),  # an image family
     "wan_i2v": ("height: 32, width: 32, num_frames: 5, save_tensors: true", "0.mp4", True),  # conditioned on an image
 }
+PROMPT = "a green triangle"
+
+
+@pytest.fixture(scope="module")
+def in_process(tmp_path_factory, tiny_pipeline):
+    """`in_process(family)` → (the sample written, the fresh pipeline's own output of the same call): rendered once
+    per family in this process on a 1-rank gloo group, the pipeline's transformer as the "training" one (plain, in
+    train mode), which is back in train mode after."""
+
+    @functools.cache
+    def render(family: str) -> tuple[Path, np.ndarray]:
+        import diffusers
+        import torch.distributed as dist
+        from PIL import Image
+
+        from train.config import load_recipe
+        from train.metrics import MetricsLogger
+        from train.models import get_encoder, get_family
+        from train.validation import Validation
+
+        tmp = tmp_path_factory.mktemp(f"in_process_{family}")
+        spec, (settings, written, no_ftfy) = get_family(family), IN_PROCESS[family]
+        pipeline = tiny_pipeline(family)
+        image, entry = None, f"{{prompt: {PROMPT}}}"
+        if get_encoder(family).validation_image == "required":
+            image = tmp / "first.png"
+            Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(image)
+            entry = f"{{prompt: {PROMPT}, image: {image}}}"
+        recipe = load_recipe(REPO / f"recipes/tiny/{family}.yaml", [
+            f"model.pretrained_path={pipeline}", f"output_dir={tmp / 'run'}", "train.max_steps=3",
+            "logging.wandb_mode=disabled", f"validation={{prompts: [{entry}], every_n_steps: 3, "
+            f"num_inference_steps: 2, {settings}}}"])  # fmt: skip
+        model = getattr(diffusers, spec.transformer_class).from_pretrained(pipeline, subfolder="transformer").train()
+        accelerator = type("Main", (), {"is_main_process": True})()
+        metrics = MetricsLogger(accelerator, tmp, {}, recipe.logging, "test")
+        dist.init_process_group("gloo", init_method=f"file://{tmp / 'pg'}", rank=0, world_size=1)
+        try:
+            validation = Validation(recipe, spec, model, torch.device("cpu"), None, metrics)
+            assert [s for s in range(4) if validation.due(s)] == [3]
+            (path,) = validation.at_step(3)
+        finally:
+            dist.destroy_process_group()
+        assert path == tmp / "run" / "samples" / "step_3" / written and model.training
+        pipe = getattr(diffusers, spec.pipeline_class).from_pretrained(pipeline)  # fresh, with its own transformer
+        if no_ftfy:  # diffusers 0.42.1's Wan I2V prompt_clean needs ftfy (not installed): wan_i2v/encoder.py
+            from train.models.wan_i2v.encoder import skip_missing_ftfy
+
+            skip_missing_ftfy(pipe)
+        pipe.set_progress_bar_config(disable=True)
+        v = recipe.validation
+        kwargs = {k: getattr(v, k) for k in ("height", "width", "num_frames", "guidance_scale") if getattr(v, k)}
+        if image is not None:
+            kwargs["image"] = Image.open(image).convert("RGB")
+        ref = pipe(prompt=PROMPT, num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0),
+                   **kwargs)[0][0]  # fmt: skip
+        return path, ref
+
+    return render
+
+
+def _levels(png: Path) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(png)).astype(int)
 
 
 @pytest.mark.parametrize("family", sorted(IN_PROCESS))
-def test_in_process_sample_is_the_pipelines_own_output(tmp_path: Path, family: str) -> None:
-    """In-process on a 1-rank gloo group, the pipeline's transformer as the "training" one (plain, in train mode):
-    FLUX.1 writes a png, Wan 2.1 I2V an mp4 from a conditioning image; each equal to a fresh pipeline's own output
-    of the same call (png: 8-bit levels within 1; mp4: the float output within RELOAD_TOL). The transformer is back
-    in train mode after."""
-    import diffusers
-    import torch.distributed as dist
-    from PIL import Image
-
-    from train.config import load_recipe
-    from train.metrics import MetricsLogger
-    from train.models import build_tiny_pipeline, get_encoder, get_family
-    from train.validation import Validation
-
-    spec, (settings, written, no_ftfy) = get_family(family), IN_PROCESS[family]
-    pipeline = build_tiny_pipeline(family, tmp_path / "pipeline")
-    prompt, image = "a green triangle", None
-    entry = f"{{prompt: {prompt}}}"
-    if get_encoder(family).validation_image == "required":
-        image = tmp_path / "first.png"
-        Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(image)
-        entry = f"{{prompt: {prompt}, image: {image}}}"
-    recipe = load_recipe(REPO / f"recipes/tiny/{family}.yaml", [
-        f"model.pretrained_path={pipeline}", f"output_dir={tmp_path / 'run'}", "train.max_steps=3",
-        "logging.wandb_mode=disabled", f"validation={{prompts: [{entry}], every_n_steps: 3, num_inference_steps: 2, "
-        f"{settings}}}"])  # fmt: skip
-    model = getattr(diffusers, spec.transformer_class).from_pretrained(pipeline, subfolder="transformer").train()
-    accelerator = type("Main", (), {"is_main_process": True})()
-    metrics = MetricsLogger(accelerator, tmp_path, {}, recipe.logging, "test")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        validation = Validation(recipe, spec, model, torch.device("cpu"), None, metrics)
-        assert [s for s in range(4) if validation.due(s)] == [3]
-        (path,) = validation.at_step(3)
-    finally:
-        dist.destroy_process_group()
-    assert path == tmp_path / "run" / "samples" / "step_3" / written and model.training
-    pipe = getattr(diffusers, spec.pipeline_class).from_pretrained(pipeline)  # fresh, with its own transformer
-    if no_ftfy:  # diffusers 0.42.1's Wan I2V prompt_clean needs ftfy (not installed): train/models/wan_i2v/encoder.py
-        from train.models.wan_i2v.encoder import skip_missing_ftfy
-
-        skip_missing_ftfy(pipe)
-    pipe.set_progress_bar_config(disable=True)
-    v = recipe.validation
-    kwargs = {k: getattr(v, k) for k in ("height", "width", "num_frames", "guidance_scale") if getattr(v, k)}
-    if image is not None:
-        kwargs["image"] = Image.open(image).convert("RGB")
-    ref = pipe(prompt=prompt, num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0),
-               **kwargs)[0][0]  # fmt: skip
+def test_in_process_sample_is_the_pipelines_own_output(in_process, family: str) -> None:
+    """In-process on a 1-rank gloo group: FLUX.1 writes a png, Wan 2.1 I2V an mp4 from a conditioning image; each
+    equal to a fresh pipeline's own output of the same call (png: 8-bit levels within 1; the float output within
+    RELOAD_TOL)."""
+    path, ref = in_process(family)
     if path.suffix == ".png":
-        png = np.asarray(Image.open(path))
+        png = _levels(path)
         assert png.shape == (32, 48, 3)
-        assert np.abs(png.astype(int) - (np.clip(ref, 0, 1) * 255).round().astype(int)).max() <= 1
+        assert np.abs(png - (np.clip(ref, 0, 1) * 255).round().astype(int)).max() <= 1
     else:
         assert _decode(path).shape == (5, 32, 32, 3)
-        assert np.abs(torch.load(path.with_suffix(".pt")).numpy() - ref).max() <= RELOAD_TOL
+    assert np.abs(torch.load(path.with_suffix(".pt")).numpy() - ref).max() <= RELOAD_TOL
+
+
+def test_image_family_cp_sample_equals_single_process_sample(runs, tiny_pipeline, in_process) -> None:
+    """FLUX.1 tiny under CP 2 (its pipeline's transformer, LoRA, 1 step, wandb offline): the step-0 sample is a png
+    logged to wandb, equal to the single-process sample of the same weights (the in-process render: floats within
+    STEP0_TOL, the png's 8-bit levels within 1) and to the fresh pipeline's own output within RELOAD_TOL."""
+    settings = IN_PROCESS["flux"][0]
+    run = runs("recipes/tiny/flux.yaml", "parallel.cp=2", "logging.wandb_mode=offline", "model.init_config=null",
+               f"model.pretrained_path={tiny_pipeline('flux')}", "train.max_steps=1",
+               f"validation={{prompts: [{{prompt: {PROMPT}}}], at_start: true, num_inference_steps: 2, {settings}}}",
+               nproc=2)  # fmt: skip
+    assert "SUM over cp=2" in json.loads((run.out / "layout.json").read_text())["gradient_reduction"]
+    serial, ref = in_process("flux")
+    png = run.out / "samples" / "step_0" / "0.png"
+    assert _levels(png).shape == (32, 48, 3)
+    assert np.abs(_levels(png) - _levels(serial)).max() <= 1
+    ours = torch.load(png.with_suffix(".pt"))
+    err = (ours - torch.load(serial.with_suffix(".pt"))).abs().max().item()
+    print(f"flux step-0 sample, CP 2 vs 1 process: max abs difference {err:.2e}")
+    assert err <= STEP0_TOL, err
+    assert np.abs(ours.numpy() - ref).max() <= RELOAD_TOL
+    (wandb_run,) = (run.out / "wandb").glob("offline-run-*")
+    logged = sorted((wandb_run / "files" / "media" / "images" / "validation").glob("*.png"))
+    assert len(logged) == 2, logged  # step 0 and the last step, 1
+    assert {_levels(p).shape for p in logged} == {(32, 48, 3)}
 
 
 def test_recipe_mistakes_are_one_line_errors(tmp_path: Path) -> None:
@@ -210,12 +264,12 @@ def test_recipe_mistakes_are_one_line_errors(tmp_path: Path) -> None:
 
     base = "validation={prompts: [{prompt: a red square}]}"
     with pytest.raises(UserError, match="model.pretrained_path is null"):
-        check_validation(load_recipe(REPO / "recipes/tiny/wan.yaml", [base]), get_family("wan"))
+        check_validation(load_recipe(REPO / TINY, [base]), get_family("wan"))
     i2v = load_recipe(REPO / "recipes/tiny/wan_i2v.yaml", [f"model.pretrained_path={tmp_path}", base])
     with pytest.raises(UserError, match=r"prompts\[0\].image: wan_i2v samples are conditioned on an image"):
         check_validation(i2v, get_family("wan_i2v"))
     with_image = "validation={prompts: [{prompt: a, image: " + str(tmp_path / "missing.png") + "}]}"
-    t2v = load_recipe(REPO / "recipes/tiny/wan.yaml", [f"model.pretrained_path={tmp_path}", with_image])
+    t2v = load_recipe(REPO / TINY, [f"model.pretrained_path={tmp_path}", with_image])
     with pytest.raises(UserError, match="takes no conditioning image"):
         check_validation(t2v, get_family("wan"))
     i2v = load_recipe(REPO / "recipes/tiny/wan_i2v.yaml", [f"model.pretrained_path={tmp_path}", with_image])

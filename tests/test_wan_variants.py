@@ -5,40 +5,29 @@ What the family-generic tests (test_families, test_tiny_models, test_cp_models, 
 do not cover:
 (1) the data encoders' cache tensors equal WanImageToVideoPipeline's own computation for the same pixels,
 (2) TI2V's per-token timestep under CP is split exactly like the tokens (uneven splits, frame 0's tokens at 0),
-(3) each A14B expert's sigmas fall in the range the pipeline routes to it (the shipped boundary_ratio, the real shift),
-(4) every variant's tiny recipe trains under CP 3 on 3 processes through the real entry point with the loss and
-    grad_norm of the 1-process run (<= 1e-5 relative), and its LoRA export loads into the family's diffusers pipeline
-    (A14B: into transformer_2) and changes that transformer's weights by exactly ``scale * B @ A``; the A14B run starts
-    from the tiny pipeline's transformer_2 through the sharded start (model.subfolder).
+(3) each A14B expert's sigmas fall in the range the pipeline routes to it (the shipped boundary_ratio, the real shift).
+Each variant's prepared cache trains through the launcher (TI2V under CP 4) with the serial oracle's first step, and
+its LoRA export loads into the family's diffusers pipeline (A14B: its low-noise expert, from and into transformer_2),
+in tests/test_families_e2e.py.
 """
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import diffusers
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tests.distributed import run_distributed
-from tests.test_finetune import launch, metrics
+from tests.harness import rank_job
 from train import objective
 from train.config import load_recipe
 from train.cp.layout import split_sizes
 from train.errors import UserError
-from train.models import build_tiny_pipeline, expert_sigma_range, get_encoder, get_family, pipeline_boundary_ratio
+from train.models import expert_sigma_range, get_encoder, get_family, pipeline_boundary_ratio
 
 REPO = Path(__file__).resolve().parents[1]
-REL_TOL = 1e-5
 A14B = "Wan-AI/Wan2.2-T2V-A14B-Diffusers"
-
-
-@pytest.fixture(scope="module")
-def pipelines(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("wan_variants")
-    return functools.cache(lambda name: build_tiny_pipeline(name, root / name))
 
 
 def _clip(frames: int, height: int, width: int) -> torch.Tensor:
@@ -50,10 +39,10 @@ def _clip(frames: int, height: int, width: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def test_wan_i2v_cache_is_the_pipelines_condition(pipelines) -> None:
+def test_wan_i2v_cache_is_the_pipelines_condition(tiny_pipeline) -> None:
     from PIL import Image
 
-    path = pipelines("wan_i2v")
+    path = tiny_pipeline("wan_i2v")
     encoder = get_encoder("wan_i2v")
     encoder.load(str(path))
     clip = _clip(9, 32, 48)
@@ -74,10 +63,10 @@ def test_wan_i2v_cache_is_the_pipelines_condition(pipelines) -> None:
 
 
 @torch.no_grad()
-def test_wan22_ti2v_first_latent_frame_is_the_pipelines_condition(pipelines) -> None:
+def test_wan22_ti2v_first_latent_frame_is_the_pipelines_condition(tiny_pipeline) -> None:
     from diffusers.pipelines.wan.pipeline_wan_i2v import retrieve_latents
 
-    path = pipelines("wan22_ti2v")
+    path = tiny_pipeline("wan22_ti2v")
     encoder = get_encoder("wan22_ti2v")
     encoder.load(str(path))
     clip = _clip(9, 32, 64)
@@ -93,7 +82,7 @@ def test_wan22_ti2v_first_latent_frame_is_the_pipelines_condition(pipelines) -> 
     torch.testing.assert_close(cached[:, :1], ((image - mean) / std)[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cached[:, 1:], ((video - mean) / std)[0, :, 1:], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="expand_timesteps"):  # a Wan 2.1 folder is no TI2V pipeline
-        get_encoder("wan22_ti2v").load(str(pipelines("wan")))
+        get_encoder("wan22_ti2v").load(str(tiny_pipeline("wan")))
 
 
 # (2) TI2V: the per-token timestep, and its CP split ------------------------------------------------------------------
@@ -119,11 +108,12 @@ def test_ti2v_token_timesteps_are_the_pipelines() -> None:
         )
 
 
+@rank_job(3)
 def _ti2v_split(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tests.tiny_models import build_model, family_case
     from train.cp import enable_context_parallel
+    from train.tools.tiny_models import build_model, family_case
 
     case = family_case("wan22_ti2v", seed=1)
     model = build_model("wan22_ti2v").eval()
@@ -147,10 +137,10 @@ def _ti2v_split(rank: int, world: int) -> dict:
     return {"timestep": seen["timestep"].view(full.shape[0], -1), "tokens": seen["tokens"].shape[1], "full": full}
 
 
-@pytest.mark.parametrize("world", [3])
-def test_ti2v_timestep_splits_like_the_tokens(world: int) -> None:
+def test_ti2v_timestep_splits_like_the_tokens(group) -> None:
     """Uneven CP 3 (35 tokens: 12, 12, 11): each rank's per-token timestep is its own tokens' slice of the whole."""
-    results = run_distributed(_ti2v_split, world)
+    world = 3
+    results = group(_ti2v_split, world)
     full = results[0]["full"]
     sizes = split_sizes(full.shape[1], world)
     assert len(set(sizes)) > 1, sizes  # uneven
@@ -187,68 +177,3 @@ def test_a14b_expert_sigmas_fall_in_their_range() -> None:
     with pytest.raises(UserError, match="model.boundary_ratio"):
         expert_sigma_range(spec, model.model_copy(update={"pretrained_path": "Wan-AI/Other"}))
     assert expert_sigma_range(get_family("wan"), model) is None
-
-
-# (4) Tiny recipes through the real entry point: CP 3 == 1 process; the LoRA export loads ----------------------------
-
-RUNS = {
-    "wan_i2v": ("recipes/tiny/wan_i2v.yaml", ()),
-    "wan22_ti2v": ("recipes/tiny/wan22_ti2v.yaml", ()),
-    # from the tiny pipeline's low-noise expert (sharded start reads model.subfolder), its model_index boundary_ratio
-    "wan22": ("recipes/tiny/wan22.yaml", ("model.init_config=null", "model.boundary_ratio=null")),
-}
-
-
-def _assert_lora_loaded(pipe, transformer: torch.nn.Module, lora_dir: Path, alpha_over_rank: float) -> None:
-    exported = load_file(lora_dir / "pytorch_lora_weights.safetensors")
-    loaded = {n: p for n, p in transformer.named_parameters() if ".lora_" in n}
-    assert exported and loaded
-    matched = set()
-    for name, value in exported.items():  # transformer.blocks.0.attn1.to_q.lora_A.weight -> ...lora_A.<adapter>.weight
-        module, kind = name.removeprefix("transformer.").rsplit(".lora_", 1)
-        hits = [n for n in loaded if n.startswith(f"{module}.lora_{kind.split('.')[0]}.")]
-        assert len(hits) == 1 and torch.equal(loaded[hits[0]], value), name
-        matched.add(hits[0])
-    # WanLoraLoaderMixin pads an I2V transformer's image K/V projections with zero adapters: nothing else is loaded
-    assert all(not loaded[n].any() for n in set(loaded) - matched), sorted(set(loaded) - matched)
-    # and the adapted layer computes W x + (alpha / r) B A x: the trained change of the transformer's weights
-    layer = transformer.blocks[0].attn1.to_q
-    a = exported["transformer.blocks.0.attn1.to_q.lora_A.weight"]
-    b = exported["transformer.blocks.0.attn1.to_q.lora_B.weight"]
-    assert b.abs().max() > 0  # trained away from peft's B = 0
-    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(layer(x), layer.base_layer(x) + alpha_over_rank * (x @ a.T @ b.T))
-
-
-@pytest.mark.parametrize("family", list(RUNS))
-def test_tiny_recipe_cp3_matches_serial_and_lora_loads(family: str, tmp_path: Path, pipelines) -> None:
-    recipe, extra = RUNS[family]
-    common = ["train.max_steps=2", "logging.wandb_mode=disabled", *extra]
-    if family == "wan22":
-        common.append(f"model.pretrained_path={pipelines('wan22')}")
-    serial_out, cp_out = tmp_path / "cp1", tmp_path / "cp3"
-    # the serial run exports the full transformer (LoRA merged): its un-adapted weights are the ones it started from
-    launch(serial_out, 1, recipe, *common, "parallel.cp=1", "checkpoint.export=full")
-    launch(cp_out, 3, recipe, *common, "parallel.cp=3", "checkpoint.export=lora")
-    serial, cp3 = metrics(serial_out), metrics(cp_out)
-    assert [m["step"] for m in cp3] == [m["step"] for m in serial] == [1, 2]
-    for a, b in zip(cp3, serial, strict=True):
-        for key in ("loss", "grad_norm"):
-            assert abs(a[key] - b[key]) <= REL_TOL * abs(b[key]), f"{family} step {a['step']} {key}: {a} vs {b}"
-
-    spec = get_family(family)
-    pipe = getattr(diffusers, spec.pipeline_class).from_pretrained(pipelines(family))
-    if family == "wan22":
-        # the run started from transformer_2 (not transformer): weights LoRA does not touch are exported as loaded
-        full = load_file(next((serial_out / "transformer").glob("*.safetensors")))
-        for key in ("patch_embedding.weight", "blocks.0.ffn.net.0.proj.weight", "blocks.1.ffn.net.2.weight"):
-            assert torch.equal(full[key], pipe.transformer_2.state_dict()[key]), key
-            assert not torch.equal(full[key], pipe.transformer.state_dict()[key]), key
-        pipe.load_lora_weights(cp_out / "lora", load_into_transformer_2=True)
-        assert not any(".lora_" in n for n, _ in pipe.transformer.named_parameters())  # the high-noise expert as is
-        target = pipe.transformer_2
-    else:
-        pipe.load_lora_weights(cp_out / "lora")
-        target = pipe.transformer
-    _assert_lora_loaded(pipe, target, cp_out / "lora", 8.0 / 4)  # lora_alpha / rank of the tiny recipes

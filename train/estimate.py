@@ -208,7 +208,7 @@ def sample_tokens(recipe: Recipe) -> tuple[int, int]:
         config = transformer_config(m.family, init_config=m.init_config, pretrained_path=m.pretrained_path,
                                     subfolder=m.subfolder)  # fmt: skip
         tokens = spec.tokens_per_sample({s: shapes[s] for s in spec.streams}, config)
-        text = shapes[spec.text_kwarg if spec.text_kwarg in shapes else "prompt_embeds"][0]
+        text = shapes["prompt_embeds"][0]
         return tokens, text
     # a hub id is not fetched for an estimate: the family's published strides (a local folder gives its own)
     local = m.pretrained_path is not None and Path(m.pretrained_path).expanduser().is_dir()
@@ -275,20 +275,17 @@ def _scaled_shapes(instance: Mapping[str, Any], grid: int, text: int) -> dict[st
 
 
 def _forward_kwargs(family: str, model: torch.nn.Module, shapes: Mapping[str, list[int]], dtype: torch.dtype):
+    """One sample's training-step kwargs (train/step.py) at the calibration shapes, and its transformer tokens."""
     from train.data.dataset import collate
     from train.data.synthetic_latents import SyntheticLatentDataset
     from train.models import get_family
-    from train.objective import condition_sigmas
+    from train.step import Objective, prepare
 
     spec = get_family(family)
     batch = collate([SyntheticLatentDataset(1, dict(shapes), 0, dtype)[0]])
-    noisy = {s: batch[s] for s in spec.streams}
-    sigmas = {s: torch.full((1,), 0.5) for s in spec.streams}
-    cond = spec.conditioning(batch, batch["latents"])  # clean conditioning: per-element sigmas, as the trainer's
-    sigmas["latents"] = condition_sigmas(sigmas["latents"], cond)
-    kwargs = spec.forward_kwargs(batch, noisy, sigmas, model_config=model.config)
+    inputs = prepare(spec, batch, Objective(), torch.Generator().manual_seed(0), model_config=model.config)
     latents = {s: batch[s].shape[1:] for s in spec.streams}
-    return kwargs, spec.tokens_per_sample(latents, model.config)
+    return inputs.kwargs, spec.tokens_per_sample(latents, model.config)
 
 
 def _measure(
@@ -582,7 +579,7 @@ def parse_gib(text: str) -> float:
     """'80GiB', '80GB' (10^9 bytes), '80' (GiB) -> GiB."""
     m = re.fullmatch(r"\s*([\d.]+)\s*(gib|gb|g)?\s*", text.lower())
     if not m:
-        raise ValueError(f"--gpu-memory {text!r}: expected e.g. 80GiB or 80GB")
+        raise UserError(f"--gpu-memory {text!r}: expected e.g. 80GiB or 80GB")
     value = float(m.group(1))
     return value * 1e9 / GIB if m.group(2) == "gb" else value
 

@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from train.errors import UserError
+
 # diffusers' names: diffusion_pytorch_model-00001-of-00003.safetensors, or diffusion_pytorch_model.safetensors alone
 _SHARD_PATTERN = SAFETENSORS_WEIGHTS_NAME.replace(".safetensors", "{suffix}.safetensors")
 
@@ -72,7 +74,7 @@ def _entries(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> list[_En
         entries.append(_Entry(f"{layer_name}.{param}", name, adapters))
     left = [n for n in state if ".lora_" in n and n not in merged]
     if left:
-        raise ValueError(f"export_full merges the active LoRA adapters of Linear layers only, not {left[:3]} "
+        raise UserError(f"export_full merges the active LoRA adapters of Linear layers only, not {left[:3]} "
                          f"({len(left)} such tensors: DoRA, LoRA bias, conv or inactive adapters); set "
                          "checkpoint.export=lora to export the adapters instead")  # fmt: skip
     return entries

@@ -5,8 +5,9 @@
     accelerate launch --config_file configs/accelerate/gpu_8.yaml train/finetune.py \
         --recipe recipes/wan/1.3b_lora.yaml --set parallel.cp=4 --set train.max_steps=2000
 
-Reads top to bottom: recipe → processes and mesh → model (LoRA/full, CP, FSDP) → optimizer → data → resume → loop →
-export. Everything per model family comes from its spec (train/models/<family>/) and CP plan (cp_plans/).
+Reads top to bottom: recipe → processes and mesh → data → memory estimate → model (LoRA/full, CP, FSDP) → optimizer →
+resume → validation → loop → export. One micro-batch's objective is train/step.py's; everything per model family
+comes from its spec (train/models/<family>/) and CP plan (cp_plans/).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import signal
 import sys
 import time
 import warnings
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -58,20 +58,13 @@ from train.estimate import startup_check
 from train.export import export_full, export_lora
 from train.metrics import MetricsLogger, peak_memory_bytes
 from train.modeling import build_model, check_model, describe_start, family_spec
-from train.models import expert_sigma_range
+from train.models import cache_reads
 from train.models.spec import FamilySpec
-from train.objective import (
-    add_noise,
-    condition_sigmas,
-    flow_matching_target,
-    loss_weight,
-    sample_noise,
-    sample_stream_sigmas,
-    stream_losses,
-)
 from train.parallel import Mesh, ParallelDims, Parallelized
 from train.report import record_memory, report_at_end
 from train.resume import plan_resume
+from train.step import Objective
+from train.step import micro_batch_loss as step_loss
 from train.validation import Validation, check_validation
 
 
@@ -111,6 +104,15 @@ def step_generator(seed: int, step: int, micro: int, dp_rank: int) -> torch.Gene
     return torch.Generator().manual_seed(hash((seed, step, micro, dp_rank)) & 0x7FFF_FFFF_FFFF_FFFF)
 
 
+def micro_batches(batches: Batches, t: TrainConfig, step: int, dp_rank: int):
+    """The micro-batches of optimizer step `step`: (index, batch with caption dropout applied, sample ids, the
+    generator its noise and timesteps come from)."""
+    for micro in range(t.grad_accum):
+        batch, ids = batches.take()
+        gen = step_generator(t.seed, step, micro, dp_rank)
+        yield micro, batches.caption_dropout(batch, t.caption_dropout, gen), ids, gen
+
+
 class BadStep(NamedTuple):
     """A step skipped for a non-finite loss or gradient norm, as one rank saw it."""
 
@@ -144,7 +146,7 @@ class Trainer:
     mesh: Mesh
     device: torch.device
     amp: torch.dtype | None
-    sigma_range: tuple[float, float] | None = None  # one expert of a mixture (Wan 2.2 A14B): its sigmas only
+    objective: Objective  # sigma sampling, loss weighting, an expert's sigma range
     bad: BadSteps = field(default_factory=BadSteps)
 
 
@@ -170,45 +172,17 @@ class StopRequest:
         return self.agreed_signal
 
 
-def compute_loss(tr: Trainer, batch: dict, gen: torch.Generator) -> torch.Tensor:
-    """One micro-batch of the flow-matching objective: noise the latents, predict the velocity, weighted MSE. Clean
-    conditioning elements (spec.condition_mask: e.g. an image-to-video first frame) get sigma 0 and no loss."""
-    t, spec, device = tr.train, tr.spec, tr.device
-    x0 = {s: batch[s] for s in spec.streams}
-    B = x0["latents"].shape[0]
-    sigmas = sample_stream_sigmas(B, spec, scheme=t.timestep_sampling, logit_mean=t.logit_mean, logit_std=t.logit_std,
-                                  mode_scale=t.mode_scale, image_seq_len=spec.image_seq_len(x0["latents"].shape[1:]),
-                                  sigma_range=tr.sigma_range, frames=x0["latents"].shape[2],
-                                  frame_sigmas=t.frame_sigmas, generator=gen)  # fmt: skip
-    sigmas = {s: v.to(device) for s, v in sigmas.items()}  # (B,), or (B, 1, F, 1, 1) with per-frame sigmas
-    noise = {s: sample_noise(x.shape, generator=gen, dtype=x.dtype, device=device) for s, x in x0.items()}
-    cond = spec.conditioning(batch, x0["latents"])  # None for most families
-    element = {**sigmas, "latents": condition_sigmas(sigmas["latents"], cond)}  # (B,) or per element
-    noisy = {s: add_noise(x0[s], noise[s], element[s]) for s in x0}
-    kwargs = spec.forward_kwargs(batch, noisy, element, model_config=tr.model.config, cp=tr.mesh.dims.cp > 1)
-    with torch.autocast(device.type, dtype=tr.amp) if tr.amp is not None else nullcontext():
-        out = tr.model(**kwargs, return_dict=False)
-    preds = spec.predictions(out, {s: x.shape for s, x in x0.items()}, model_config=tr.model.config)
-    targets = {s: flow_matching_target(x0[s], noise[s]) for s in x0}
-    weights = {s: loss_weight(sigmas[s], t.loss_weighting) for s in x0}
-    keep = {} if cond is None else {"latents": 1.0 - cond}
-    return sum(stream_losses(preds, targets, weights, keep).values())
-
-
 def train_step(tr: Trainer, step: int) -> dict[str, float]:
     """One optimizer step over `grad_accum` micro-batches; returns its metrics line. A step whose loss or gradient norm
     is not finite (one bad micro-batch is enough) is skipped: no optimizer or scheduler step, its gradients dropped,
     counted in `tr.bad` (the loop stops the run after `train.max_bad_steps` in a row)."""
     t, reduction = tr.train, tr.parallel.reduction
     t0, loss_sum, tokens, samples = time.perf_counter(), torch.zeros((), device=tr.device), 0, []
-    for micro in range(t.grad_accum):
+    for micro, batch, ids, gen in micro_batches(tr.batches, t, step, tr.mesh.dp_rank):
         if reduction.mode == "fsdp2":  # reduce-scatter once per optimizer step, on the last micro-batch
             tr.model.set_requires_gradient_sync(micro == t.grad_accum - 1)
-        batch, ids = tr.batches.take()
         samples += ids
-        gen = step_generator(t.seed, step, micro, tr.mesh.dp_rank)
-        batch = tr.batches.caption_dropout(batch, t.caption_dropout, gen)
-        loss = compute_loss(tr, batch, gen) / t.grad_accum
+        loss = step_loss(tr.model, tr.spec, batch, tr.objective, gen, tr.amp) / t.grad_accum  # train/step.py
         loss.backward()
         loss_sum += loss.detach()
         shapes = {s: batch[s].shape[1:] for s in tr.spec.streams}  # e.g. 2 clips × 35 video tokens = 70 tokens
@@ -324,6 +298,28 @@ def resume(recipe: Recipe, args: argparse.Namespace, app: AppState, scheduler, b
     return start, scheduler
 
 
+def finish(out_dir: Path, metrics: MetricsLogger, watchdog: runtime.Watchdog) -> None:
+    """After the export: every rank done, the run report, the trackers closed, the process group destroyed."""
+    dist.barrier()
+    watchdog.idle()
+    if dist.get_rank() == 0:  # plots + report.md from the files written; never fails the run (train/report.py)
+        metrics.log_images(report_at_end(out_dir))
+    metrics.close()  # ends accelerate's trackers (which may tear the process group down): after the last collective
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def announce_stop(out_dir: Path, step: int, signal_name: str, ckpt: Path | None) -> None:
+    """Rank 0, after a SIGINT/SIGTERM stop: the line naming the checkpoint to resume from, and `stopped.json`, which
+    tells `python -m train.launch` the stop was clean (exit 0 rather than 128 + the signal)."""
+    if dist.get_rank() != 0:
+        return
+    where = ckpt or latest_checkpoint(out_dir)  # save_checkpoint writes nothing from non-finite weights: the last good
+    print(f"stopped by {signal_name} after step {step}; checkpoint: {where}; resume with --resume", flush=True)
+    marker = {"step": step, "signal": signal_name, "checkpoint": str(where), "time": time.time()}
+    (out_dir / "stopped.json").write_text(json.dumps(marker))
+
+
 def print_layout(
     recipe: Recipe, mesh: Mesh, parallel: Parallelized, amp: torch.dtype | None, n_trainable: int, out_dir: Path
 ):
@@ -401,7 +397,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # --- data: every rank of a CP group reads the same batches; DP groups read different ones. First: a cache that
     # cannot be trained on (missing or truncated files, another family's) is said within seconds, before the model
-    dataset = build_dataset(recipe, spec)
+    dataset = build_dataset(recipe, spec, cache_reads(spec.name))
     check_text_lengths(dataset, spec, recipe)
     batches = make_batches(dataset, recipe, dp_rank=mesh.dp_rank, dp_size=dims.dp, device=device)
 
@@ -425,9 +421,9 @@ def main(argv: list[str] | None = None) -> None:
 
     # --- loop -----------------------------------------------------------------------------------------------------
     trainer = Trainer(t, spec, model, params, optimizer, scheduler, parallel, batches, mesh, device, amp,
-                      sigma_range=expert_sigma_range(spec, recipe.model))  # fmt: skip
+                      Objective.of(recipe, spec))  # fmt: skip
     # samples from the training transformer as it is (CP + FSDP in place, every rank), state untouched: validation.py
-    validation = Validation(recipe, spec, model, device, amp, metrics, watchdog, cp=dims.cp, start=start)
+    validation = Validation(recipe, spec, model, device, amp, metrics, watchdog, start=start)
     validation.at_step(start)  # validation.at_start: a baseline before the first step
     steps = range(start, t.max_steps)
     if dist.get_rank() == 0 and recipe.logging.progress_bar:
@@ -450,26 +446,14 @@ def main(argv: list[str] | None = None) -> None:
             state = checkpoint_state(recipe, step + 1, scheduler, batches, mesh)
             ckpt = save_checkpoint(out_dir, step + 1, app, state, recipe.checkpoint.keep_last)
         if stopped_by:
-            if dist.get_rank() == 0:  # save_checkpoint writes nothing from non-finite weights: name the last good one
-                where = ckpt or latest_checkpoint(out_dir)
-                print(f"stopped by {stopped_by} after step {step + 1}; checkpoint: {where}; resume with --resume",
-                      flush=True)  # fmt: skip
-                # for python -m train.launch: a clean stop, so the launcher exits 0 rather than 128 + the signal
-                marker = {"step": step + 1, "signal": stopped_by, "checkpoint": str(where), "time": time.time()}
-                (out_dir / "stopped.json").write_text(json.dumps(marker))
+            announce_stop(out_dir, step + 1, stopped_by, ckpt)
             break
 
     # --- export ---------------------------------------------------------------------------------------------------
     watchdog.phase("export", t.max_steps)
     if not stop.agreed_signal:  # a stopped run resumes from its checkpoint and exports at its end
         export(recipe, spec, model, out_dir)
-    dist.barrier()
-    watchdog.idle()
-    if dist.get_rank() == 0:  # plots + report.md from the files written; never fails the run (train/report.py)
-        metrics.log_images(report_at_end(out_dir))
-    metrics.close()  # ends accelerate's trackers (which may tear the process group down): after the last collective
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    finish(out_dir, metrics, watchdog)
 
 
 def run_cli() -> int:

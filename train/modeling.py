@@ -203,7 +203,7 @@ def pretrained_folder(cfg: ModelConfig) -> Path:
         dist.barrier()
         folder = folder or fetch(offline=True)
     if not any(folder.glob("*.safetensors")):
-        raise ValueError(f"model.pretrained_path: no .safetensors weights in {folder} (sharded_load reads "
+        raise UserError(f"model.pretrained_path: no .safetensors weights in {folder} (sharded_load reads "
                          "safetensors only; set model.sharded_load=false to load other formats)")  # fmt: skip
     return folder
 
@@ -230,14 +230,26 @@ def _load_pretrained_shards(model: torch.nn.Module, folder: Path) -> None:
     state = {_base_key(n): t for n, t in model.state_dict().items() if ".lora_" not in n}
     missing = sorted(set(state) - set(stored))
     if missing:
-        raise ValueError(f"model.pretrained_path: {folder} lacks {len(missing)} weights of this model (e.g. "
+        raise UserError(f"model.pretrained_path: {folder} lacks {len(missing)} weights of this model (e.g. "
                          f"{missing[:3]}); is it the right checkpoint for model.family?")  # fmt: skip
     wrong = [k for k in state if tuple(stored[k].size) != tuple(state[k].shape)]
     if wrong:
         k = wrong[0]
-        raise ValueError(f"model.pretrained_path: {folder} holds {k} with shape {tuple(stored[k].size)}, the model's "
+        raise UserError(f"model.pretrained_path: {folder} holds {k} with shape {tuple(stored[k].size)}, the model's "
                          f"config gives {tuple(state[k].shape)} ({len(wrong)} such weights)")  # fmt: skip
     dcp.load(state, storage_reader=reader)
+
+
+def whole_model(recipe: Recipe, spec: FamilySpec) -> torch.nn.Module:
+    """The trainable transformer whole, as one process starts it: loaded (or randomly initialised), LoRA or full,
+    the adapters at their seeded initial values. The start of every run without the sharded start, and the serial
+    reference runs compare with (tests/harness.py `first_step`)."""
+    model = load_transformer(recipe.model, spec, seed=recipe.train.seed)
+    apply_finetune(model, recipe.finetune, spec)
+    with torch.no_grad():
+        for name, value in lora_init(model, seed=recipe.train.seed).items():
+            model.get_parameter(name).copy_(value)
+    return model
 
 
 def build_model(
@@ -246,14 +258,12 @@ def build_model(
     """The transformer, trainable (LoRA / full) and parallelized (CP, activation levers, compile, FSDP2), its
     weights in place: sharded start when `model.sharded_load` and FSDP are on, else whole on every rank first."""
     cfg, t, sharded = recipe.model, recipe.train, recipe.model.sharded_load and recipe.parallel.fsdp
-    model = meta_transformer(cfg, spec) if sharded else load_transformer(cfg, spec, seed=t.seed)
-    apply_finetune(model, recipe.finetune, spec)
-    lora = lora_init(model, seed=t.seed)
-    if not sharded:  # whole on every rank: set the adapters now, parallelize checks every rank holds the same
-        with torch.no_grad():
-            for name, value in lora.items():
-                model.get_parameter(name).copy_(value)
-        model.to(device)
+    if sharded:
+        model = meta_transformer(cfg, spec)
+        apply_finetune(model, recipe.finetune, spec)
+        lora = lora_init(model, seed=t.seed)
+    else:  # whole on every rank, adapters set: parallelize checks every rank holds the same
+        model, lora = whole_model(recipe, spec).to(device), {}
     folder = pretrained_folder(cfg) if sharded and cfg.init_config is None else None
     if sharded:  # every rank must fill its shard from the same source: compare fingerprints before any allocation
         digest = torch.tensor([_source_digest(folder) if folder else 0.0])

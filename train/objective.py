@@ -1,12 +1,14 @@
 """The rectified-flow (flow-matching) objective shared by every family.
 
-Per training step, with ``x0`` the cached latents of a stream and ``noise ~ N(0, I)``::
+The pieces of one step, which train/step.py runs in this order for every micro-batch (``x0`` a stream's cached
+latents, ``cond`` the family's clean-conditioning mask or None)::
 
-    sigmas = sample_stream_sigmas(B, spec, ..., generator=g)    # per stream, (B,) in (0, 1), the family's shift applied
+    sigmas = sample_stream_sigmas(B, spec, ..., generator=g)    # per stream: (B,), or (B, 1, F, 1, 1) per frame
     noise  = sample_noise(x0.shape, generator=g)                 # per stream
-    noisy  = add_noise(x0, noise, sigmas)                        # (1 - sigma) * x0 + sigma * noise
+    sigma  = condition_sigmas(sigmas["latents"], cond)           # 0 on clean conditioning elements
+    noisy  = add_noise(x0, noise, sigma)                         # (1 - sigma) * x0 + sigma * noise
     target = flow_matching_target(x0, noise)                     # noise - x0
-    loss   = sum(stream_losses(preds, targets, weights).values())  # weights: loss_weight(sigmas, scheme) per stream
+    loss   = sum(stream_losses(preds, targets, weights, keep).values())  # weights: loss_weight(sigmas, scheme)
 
 The density of the base draw ``u`` comes from ``diffusers.training_utils.compute_density_for_timestep_sampling`` and the
 loss weighting from ``compute_loss_weighting_for_sd3`` (the SD3 / Flux / Qwen-Image training recipes); the shift is
@@ -190,8 +192,10 @@ def flow_matching_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 
 def loss_weight(sigmas: torch.Tensor, scheme: WeightingScheme = "none") -> torch.Tensor:
-    """Per-sample loss weights (B,) via ``compute_loss_weighting_for_sd3``."""
-    return compute_loss_weighting_for_sd3(weighting_scheme=scheme, sigmas=sigmas).float()
+    """Per-sample loss weights (B,) via ``compute_loss_weighting_for_sd3`` (float32, float64 for float64 sigmas)."""
+    return compute_loss_weighting_for_sd3(weighting_scheme=scheme, sigmas=sigmas).to(
+        torch.promote_types(sigmas.dtype, torch.float32)
+    )
 
 
 def flow_matching_loss(
@@ -200,12 +204,14 @@ def flow_matching_loss(
     weights: torch.Tensor | None = None,
     keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Scalar float32 loss: per sample, the mean over elements of ``(pred - target)**2``, times that sample's weight;
-    then the mean over the batch (the diffusers flow-matching training examples' reduction). ``keep``: a 0/1 mask
-    broadcastable to ``pred``; the per-sample mean is then over the kept elements only (conditioning left out)."""
+    """Scalar loss, float32 (float64 for float64 predictions, so exactness tests see every digit): per sample, the
+    mean over elements of ``(pred - target)**2``, times that sample's weight; then the mean over the batch (the
+    diffusers flow-matching training examples' reduction). ``keep``: a 0/1 mask broadcastable to ``pred``; the
+    per-sample mean is then over the kept elements only (conditioning left out)."""
     if pred.shape != target.shape:
         raise ValueError(f"prediction {tuple(pred.shape)} and target {tuple(target.shape)} differ in shape")
-    err = (pred.float() - target.float()).pow(2)
+    acc = torch.promote_types(pred.dtype, torch.float32)
+    err = (pred.to(acc) - target.to(acc)).pow(2)
     if weights is not None and weights.ndim > 1:  # per element (per-frame sigmas): weight each element, then mean
         err, weights = err * weights.to(device=err.device, dtype=err.dtype), None
     if keep is None:
@@ -214,7 +220,7 @@ def flow_matching_loss(
         keep = keep.to(device=err.device, dtype=err.dtype).expand_as(err).reshape(pred.shape[0], -1)
         per_sample = (err.reshape(pred.shape[0], -1) * keep).sum(dim=1) / keep.sum(dim=1).clamp_min(1.0)
     if weights is not None:
-        per_sample = per_sample * weights.to(device=per_sample.device, dtype=torch.float32).reshape(-1)
+        per_sample = per_sample * weights.to(device=per_sample.device, dtype=acc).reshape(-1)
     return per_sample.mean()
 
 

@@ -135,31 +135,49 @@ def _table(rows: list[tuple[str, object]]) -> list[str]:
 
 
 def summary(run: Run, charts: list[Path]) -> str:
-    """The markdown report."""
-    r, m, out = run.recipe, run.metrics, run.out
-    t, ft, p = r.train, r.finetune, r.parallel
+    """The markdown report: one section per question a reader of the run asks, each a table."""
+    out, p = run.out, run.recipe.parallel
     world = (run.memory or {}).get("world_size")
     rep, shard, cp = p.resolve(world) if world else (p.dp_replicate, p.dp_shard, p.cp)
-    lines = [f"# Run report: {r.name}", "",
+    lines = [f"# Run report: {run.recipe.name}", "",
              f"`{out}`; written by `python -m train.report {out}` (the trainer writes it at the end of every run) from "
              "metrics.jsonl, recipe.yaml, layout.json and memory.json.", ""]  # fmt: skip
+    lines += ["## Result", ""] + _result(run)
+    lines += ["", "## Recipe", ""] + _recipe(run, rep * shard)
+    lines += ["", "## Parallel layout", ""] + _table([
+        ("world size", world if world else "not recorded"),
+        ("dp_replicate × dp_shard × cp", f"{rep} × {shard} × {cp}"),
+        *[(k.replace("_", " "), v) for k, v in run.layout.items()],
+    ])  # fmt: skip
+    lines += ["", "## Memory and throughput", ""] + _table(_memory_rows(run))
+    lines += ["", "## Outputs", ""] + _table(_outputs(run))
+    lines += ["", "## Charts", ""] + [f"![{c.stem}]({c.relative_to(out).as_posix()})" for c in charts]
+    return "\n".join(lines) + "\n"
 
-    lines += ["## Result", ""]
-    if m:
-        finite = [x for x in m if math.isfinite(x["loss"])]
-        best = min(finite, key=lambda x: x["loss"]) if finite else None
-        lines += _table([
-            ("steps logged", f"{len(m)} (steps {m[0]['step']}-{m[-1]['step']} of max_steps {t.max_steps}, every "
-                             f"{r.logging.every_n_steps})"),
-            (f"final loss (step {m[-1]['step']})", f"{m[-1]['loss']:.6g}"),
-            (f"first loss (step {m[0]['step']})", f"{m[0]['loss']:.6g}"),
-            ("lowest loss", f"{best['loss']:.6g} (step {best['step']})" if best else "none finite"),
-            (f"final grad norm (step {m[-1]['step']})", f"{m[-1]['grad_norm']:.6g}"),
-            ("skipped steps (non-finite loss or grad norm)", m[-1].get("bad_steps", 0)),
-        ])  # fmt: skip
-    else:
-        lines.append("No metrics lines (the run logged no step).")
 
+def _result(run: Run) -> list[str]:
+    """How the loss went: the steps logged, first, final and lowest loss, and how many steps were skipped."""
+    r, m = run.recipe, run.metrics
+    if not m:
+        return ["No metrics lines (the run logged no step)."]
+    finite = [x for x in m if math.isfinite(x["loss"])]
+    best = min(finite, key=lambda x: x["loss"]) if finite else None
+    return _table([
+        ("steps logged", f"{len(m)} (steps {m[0]['step']}-{m[-1]['step']} of max_steps {r.train.max_steps}, every "
+                         f"{r.logging.every_n_steps})"),
+        (f"final loss (step {m[-1]['step']})", f"{m[-1]['loss']:.6g}"),
+        (f"first loss (step {m[0]['step']})", f"{m[0]['loss']:.6g}"),
+        ("lowest loss", f"{best['loss']:.6g} (step {best['step']})" if best else "none finite"),
+        (f"final grad norm (step {m[-1]['step']})", f"{m[-1]['grad_norm']:.6g}"),
+        ("skipped steps (non-finite loss or grad norm)", m[-1].get("bad_steps", 0)),
+    ])  # fmt: skip
+
+
+def _recipe(run: Run, dp: int) -> list[str]:
+    """What was trained, and how: model, method, samples per optimizer step over the `dp` data-parallel ranks, lr,
+    precision, activation levers, data."""
+    r, out = run.recipe, run.out
+    t, ft = r.train, r.finetune
     model = f"`{r.model.pretrained_path}` ({r.model.subfolder})" if r.model.pretrained_path else "random init"
     method = f"LoRA (rank {ft.lora_rank}, alpha {ft.lora_alpha:g})" if ft.method == "lora" else "full fine-tuning"
     levers = [
@@ -168,43 +186,48 @@ def summary(run: Run, charts: list[Path]) -> str:
         "torch.compile" if t.compile else None,
     ]
     data = f"synthetic ({r.data.synthetic.num_samples} samples)" if r.data.synthetic else f"`{r.data.cache_dir}`"
-    lines += ["", "## Recipe", ""] + _table([
+    return _table([
         ("family", r.model.family), ("transformer", f"{model}, {r.model.dtype}"), ("method", method),
-        ("batch per step", f"batch_size {t.batch_size} × grad_accum {t.grad_accum} × dp {rep * shard} = "
-                           f"{t.batch_size * t.grad_accum * rep * shard} samples"),
+        ("batch per step", f"batch_size {t.batch_size} × grad_accum {t.grad_accum} × dp {dp} = "
+                           f"{t.batch_size * t.grad_accum * dp} samples"),
         ("lr", f"{t.lr:g}, {t.lr_schedule}, warmup {t.warmup_steps}, max_grad_norm {t.max_grad_norm}"),
         ("precision", run.layout.get("mixed_precision", t.mixed_precision)),
         ("activation levers", ", ".join(x for x in levers if x) or "none"), ("data", data),
         ("recipe", f"`{out / 'recipe.yaml'}`"),
     ])  # fmt: skip
 
-    lines += ["", "## Parallel layout", ""] + _table([
-        ("world size", world if world else "not recorded"),
-        ("dp_replicate × dp_shard × cp", f"{rep} × {shard} × {cp}"),
-        *[(k.replace("_", " "), v) for k, v in run.layout.items()],
-    ])  # fmt: skip
 
-    mem = run.memory or {}
+def _memory_rows(run: Run) -> list[tuple[str, object]]:
+    """Predicted vs measured peak memory and throughput. The ratio is given on CUDA only: on CPU the measurement is
+    the process's resident set, not the tensor bytes the estimate predicts. The first step is left out of the
+    throughput when there are others (it includes warm-up)."""
+    m, mem = run.metrics, run.memory or {}
     predicted = mem.get("predicted_peak_bytes")
     device = mem.get("device_type", "cuda")
     rows = [("predicted peak per rank (train.estimate at startup)",
              _size(predicted) if predicted else mem.get("why_no_prediction", "not recorded"))]  # fmt: skip
-    if m:
-        peak = max(x["peak_mem_bytes"] for x in m)
-        what = ("torch.cuda.max_memory_allocated" if device == "cuda" else
-                "the process's peak resident set: Python, torch and the imports included, so not comparable with the "
-                "prediction of tensor bytes")  # fmt: skip
-        rows.append(("measured peak, rank 0", f"{_size(peak)} ({what})"))
-        if predicted and device == "cuda":
-            rows.append(("measured / predicted", f"{peak / predicted:.2f}"))
-        steady = m[1:] or m  # the first step includes warm-up (allocations, compile)
-        tps = statistics.fmean(x["transformer_tokens_per_s"] for x in steady)
-        rows += [(f"transformer tokens/s, whole job (mean of steps {steady[0]['step']}-{steady[-1]['step']})",
-                  f"{tps:.6g}"),
-                 ("step time (median)", f"{statistics.median(x['step_time_s'] for x in steady):.4g} s")]  # fmt: skip
-    lines += ["", "## Memory and throughput", ""] + _table(rows)
+    if not m:
+        return rows
+    peak = max(x["peak_mem_bytes"] for x in m)
+    what = ("torch.cuda.max_memory_allocated" if device == "cuda" else
+            "the process's peak resident set: Python, torch and the imports included, so not comparable with the "
+            "prediction of tensor bytes")  # fmt: skip
+    rows.append(("measured peak, rank 0", f"{_size(peak)} ({what})"))
+    if predicted and device == "cuda":
+        rows.append(("measured / predicted", f"{peak / predicted:.2f}"))
+    steady = m[1:] or m  # the first step includes warm-up (allocations, compile)
+    tps = statistics.fmean(x["transformer_tokens_per_s"] for x in steady)
+    rows += [(f"transformer tokens/s, whole job (mean of steps {steady[0]['step']}-{steady[-1]['step']})",
+              f"{tps:.6g}"),
+             ("step time (median)", f"{statistics.median(x['step_time_s'] for x in steady):.4g} s")]  # fmt: skip
+    return rows
 
-    kind = ft.method if r.checkpoint.export == "auto" else r.checkpoint.export
+
+def _outputs(run: Run) -> list[tuple[str, object]]:
+    """Where the run's files are, and how to use them: metrics, the exported weights (with the call that loads
+    them), the latest checkpoint, and the wandb runs (with the sync command when offline)."""
+    r, out = run.recipe, run.out
+    kind = r.finetune.method if r.checkpoint.export == "auto" else r.checkpoint.export
     weights = {"lora": (out / "lora", "`<Pipeline>.load_lora_weights(path)`"),
                "full": (out / "transformer", "`<Transformer>.from_pretrained(path)`")}.get(kind)  # fmt: skip
     if kind == "none":
@@ -216,13 +239,9 @@ def summary(run: Run, charts: list[Path]) -> str:
     wandb = ", ".join(f"`{w}`" for w in wandb_runs) or "none"
     if any(w.name.startswith("offline") for w in wandb_runs):
         wandb += " (upload: `wandb sync <dir>`)"
-    outputs = [("metrics", f"`{out / 'metrics.jsonl'}`"), ("exported weights", exported),
-               ("latest checkpoint", f"`{checkpoints[-1]}` ({len(checkpoints)} kept)" if checkpoints else "none"),
-               ("wandb", wandb)]  # fmt: skip
-    lines += ["", "## Outputs", ""] + _table(outputs)
-
-    lines += ["", "## Charts", ""] + [f"![{c.stem}]({c.relative_to(out).as_posix()})" for c in charts]
-    return "\n".join(lines) + "\n"
+    return [("metrics", f"`{out / 'metrics.jsonl'}`"), ("exported weights", exported),
+            ("latest checkpoint", f"`{checkpoints[-1]}` ({len(checkpoints)} kept)" if checkpoints else "none"),
+            ("wandb", wandb)]  # fmt: skip
 
 
 def write_report(out: Path) -> list[Path]:

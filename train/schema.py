@@ -334,7 +334,7 @@ _BOOL_TAG = "tag:yaml.org,2002:bool"
 _FLOAT_TAG = "tag:yaml.org,2002:float"
 
 
-class _Loader(yaml.SafeLoader):
+class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml when built in: ~10x faster
     """SafeLoader with YAML 1.2 floats (`1e-4`) and booleans (only true/false), rejecting duplicate keys."""
 
 

@@ -117,10 +117,10 @@ class Validation:
     """Renders the recipe's validation samples at the steps it names; every rank calls `at_step` after each step."""
 
     def __init__(self, recipe: Recipe, spec: FamilySpec, model: torch.nn.Module, device: torch.device,
-                 amp: torch.dtype | None, metrics, watchdog=None, cp: int = 1, start: int = 0) -> None:  # fmt: skip
+                 amp: torch.dtype | None, metrics, watchdog=None, start: int = 0) -> None:  # fmt: skip
         self.cfg: ValidationConfig | None = recipe.validation
         self.recipe, self.spec, self.model, self.device, self.amp = recipe, spec, model, device, amp
-        self.metrics, self.watchdog, self.cp, self.start = metrics, watchdog, cp, start
+        self.metrics, self.watchdog, self.start = metrics, watchdog, start
         self.pipe = None
         if self.cfg is not None:
             check_validation(recipe, spec)
@@ -197,34 +197,6 @@ class Validation:
             kw["callback_on_step_end"] = beat
         return kw
 
-    def _cp_text_mask(self):
-        """Under CP, the family's text-mask rule of training (`FamilySpec.forward_kwargs`): a mask the CP processors
-        cannot shard is replaced (text cut to the prompt, mask None or all ones), as a forward pre-hook."""
-        spec = self.spec
-        if self.cp == 1 or spec.text_mask_fed_in_cp or spec.text_mask_kwarg is None:
-            return nullcontext()
-        from train.models.spec import trim_text_padding
-
-        def hook(module, args, kwargs):
-            mask = kwargs.get(spec.text_mask_kwarg)
-            if mask is None:
-                return None
-            text = trim_text_padding(kwargs[spec.text_kwarg], mask)
-            ones = mask.new_ones(text.shape[:2])
-            return args, {**kwargs, spec.text_kwarg: text, spec.text_mask_kwarg: ones if spec.text_mask_required
-                          else None}  # fmt: skip
-
-        handle = self.model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
-
-        @contextmanager
-        def scoped():
-            try:
-                yield
-            finally:
-                handle.remove()
-
-        return scoped()
-
     # ------------------------------------------------------------------------------------------------------ run
 
     def at_step(self, step: int) -> list[Path]:
@@ -242,7 +214,7 @@ class Validation:
         autocast = torch.autocast(self.device.type, dtype=self.amp) if self.amp is not None else nullcontext()
         written = []
         with (self._components_on_device(), _inference(self.model), torch.random.fork_rng(devices=devices),
-              self._cp_text_mask(), autocast):  # fmt: skip
+              autocast):  # fmt: skip
             for i, path in enumerate(paths):
                 out = self.pipe(**self._kwargs(i, step))[0][0]  # (F, H, W, 3) video or (H, W, 3) image, in [0, 1]
                 out = np.asarray(out.float().cpu() if isinstance(out, torch.Tensor) else out, dtype=np.float32)

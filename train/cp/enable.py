@@ -30,6 +30,8 @@ from diffusers.hooks.hooks import HookRegistry
 from diffusers.models._modeling_parallel import ContextParallelOutput
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from train.errors import UserError
+
 from .comm import TorchTransport
 from .plans import (
     CPPlanSpec,
@@ -39,7 +41,6 @@ from .plans import (
     training_problems,
     validate_plan,
 )
-from .ring import install_ring_attention
 from .state import ContextParallelState, cp_device_type
 from .ulysses import GatherAnything, install_ulysses_anything_backward
 
@@ -51,7 +52,6 @@ def check_tokens(cp: int, spec: Any, shapes: dict[str, dict[str, Any]], model_co
     transformer tokens than `cp` would fail deep inside a diffusers split. `shapes`: bucket -> the per-sample shapes
     of the noised streams (synthetic shapes or the cache manifest's); `spec`: the family's FamilySpec. Checked at
     startup, before any process group exists; raises UserError."""
-    from train.errors import UserError
 
     for bucket, streams in shapes.items():
         tokens = spec.tokens_per_sample(streams, model_config)
@@ -114,9 +114,9 @@ def _cp_processors(model: torch.nn.Module, spec: CPPlanSpec) -> list[Any]:
         backend = AttentionBackendName(backend) if backend else _AttentionBackendRegistry.get_active_backend()[0]
         if not _AttentionBackendRegistry._is_context_parallel_available(backend):
             supported = sorted(b.value for b in _AttentionBackendRegistry._supports_context_parallel)
-            raise ValueError(
+            raise UserError(
                 f"attention backend '{backend.value}' has no context-parallel path; call "
-                f"model.set_attention_backend(...) with one of {supported} first"
+                f"model.set_attention_backend(...) (recipe: model.attention_backend) with one of {supported} first"
             )
 
     # The plan's `local_attention` modules attend on replicated tokens without CP; their processors must not be
@@ -151,7 +151,7 @@ def _install_guard(model: torch.nn.Module, state: ContextParallelState, enforce:
                 "(per_head_mask_inputs). Train without them: pass " + ", ".join(f"{n}=None" for n in fed)
             )
         if problems:
-            raise ValueError(
+            raise UserError(
                 f"{type(module).__name__} cannot be trained under context parallelism with plan {spec.path}: "
                 + "; ".join(problems)
             )
@@ -174,11 +174,17 @@ def _checkpoint_with_layout_by_default(model: torch.nn.Module, state: ContextPar
 
 class _SplitHook(ContextParallelSplitHook):
     """diffusers' split hook that also records each split it makes in the model's layout registry: a tensor of global
-    length L split over W ranks has per-rank sizes `tensor_split(L, W)`, the same on every rank."""
+    length L split over W ranks has per-rank sizes `tensor_split(L, W)`, the same on every rank. Each split is
+    recorded under its plan name, "<plan path>:<input name or output index>" (a plan's `joint_key_mask` names them)."""
 
-    def __init__(self, metadata, state: ContextParallelState) -> None:
+    def __init__(self, metadata, state: ContextParallelState, path: str) -> None:
         super().__init__(metadata, state.context_parallel_config)
         self.layout = state.layout
+        self.names: dict[int, str] = {}  # id(spec) -> its plan name (a list argument: one name per element)
+        for key, spec in metadata.items():
+            for i, one in enumerate(spec if isinstance(spec, (list, tuple)) else [spec]):
+                suffix = f"[{i}]" if isinstance(spec, (list, tuple)) else ""
+                self.names[id(one)] = f"{path}:{key}{suffix}"
 
     def _prepare_cp_input(self, x: torch.Tensor, cp_input) -> torch.Tensor:
         if cp_input.expected_dims is not None and x.dim() != cp_input.expected_dims:
@@ -186,7 +192,7 @@ class _SplitHook(ContextParallelSplitHook):
         # Always the uneven split over the whole CP group: diffusers would split evenly (and assert divisibility)
         # when neither "anything" flag is set, which is the ring x Ulysses hybrid's case.
         mesh = self.parallel_config._flattened_mesh
-        self.layout.record(x.size(cp_input.split_dim), mesh.size())
+        self.layout.record(x.size(cp_input.split_dim), mesh.size(), self.names.get(id(cp_input)))
         return PartitionAnythingSharder.shard_anything(x, cp_input.split_dim, mesh)
 
 
@@ -217,7 +223,10 @@ def _apply_hooks(model: torch.nn.Module, state: ContextParallelState, plan: dict
         found = _get_submodule_by_name(model, module_id)
         for m in found if isinstance(found, list) else [found]:
             if isinstance(entry, dict):
-                hook, name = _SplitHook(entry, state), _CONTEXT_PARALLEL_INPUT_HOOK_TEMPLATE.format(module_id)
+                hook, name = (
+                    _SplitHook(entry, state, module_id),
+                    _CONTEXT_PARALLEL_INPUT_HOOK_TEMPLATE.format(module_id),
+                )
             else:
                 gathers = [entry] if isinstance(entry, ContextParallelOutput) else list(entry)
                 assert all(isinstance(g, ContextParallelOutput) for g in gathers), entry  # validate_plan checked
@@ -266,14 +275,13 @@ def enable_context_parallel(
     validate_plan(spec, model)
     problems = training_problems(spec, model)
     if for_training and problems:
-        raise ValueError(f"{type(model).__name__} cannot be trained under context parallelism: " + "; ".join(problems))
+        raise UserError(f"{type(model).__name__} cannot be trained under context parallelism: " + "; ".join(problems))
     if spec.cp_processors:  # the plan's processor swap (a function of the family's home), before CP collects them
         module_name, _, function = spec.cp_processors.partition(":")
         getattr(importlib.import_module(module_name), function)(model)
     processors = _cp_processors(model, spec)
 
-    install_ulysses_anything_backward()
-    install_ring_attention()
+    install_ulysses_anything_backward()  # Ulysses, ring and ring x Ulysses (patch.py)
     mesh = _resolve_mesh(mesh, degree, ring)
     if mesh["ring"].size() * mesh["ulysses"].size() < 2:
         raise ValueError("a CP degree of 1 needs no context parallelism; do not call enable_context_parallel")

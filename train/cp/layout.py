@@ -70,6 +70,7 @@ class LayoutRegistry:
         self.verify = os.environ.get("CTXTRAIN_CP_VERIFY_LAYOUT", "0") == "1"
         self.scope = scope
         self.partitions: list[tuple[int, ...]] = []
+        self.segments: dict[str, int] = {}  # global length of each named split of this forward ("path:input")
         self.calls = 0
         self.exchanges = 0  # size exchanges actually issued (for tests and benchmarks)
         self.memo: dict[tuple, list[list[int]]] = {}  # unidentifiable calls: exchanged rows by call position
@@ -79,21 +80,25 @@ class LayoutRegistry:
 
     def reset(self, enabled: bool) -> None:
         """Start of a model forward: partitions and call numbering start afresh (memos are kept)."""
-        self.enabled, self.partitions, self.calls = enabled, [], 0
+        self.enabled, self.partitions, self.segments, self.calls = enabled, [], {}, 0
 
-    def record(self, length: int, world: int) -> None:
+    def record(self, length: int, world: int, name: str | None = None) -> None:
+        """A split of a tensor of global length `length` over `world` ranks; `name` ("module path:input") lets a
+        plan's `joint_key_mask` find the lengths of the segments a joint sequence is made of (masks.py)."""
         sizes = tuple(split_sizes(length, world))
         if sizes not in self.partitions:
             self.partitions.append(sizes)
+        if name is not None:
+            self.segments[name] = length
 
     # -- activation checkpointing -----------------------------------------------------------------------------------
 
     def snapshot(self) -> tuple:
-        return self.enabled, tuple(self.partitions), self.calls
+        return self.enabled, tuple(self.partitions), dict(self.segments), self.calls
 
     def restore(self, snap: tuple) -> None:
-        self.enabled, partitions, self.calls = snap
-        self.partitions = list(partitions)
+        self.enabled, partitions, segments, self.calls = snap
+        self.partitions, self.segments = list(partitions), dict(segments)
 
     def checkpoint(self, module: torch.nn.Module, *args):
         """A diffusers `gradient_checkpointing_func`: non-reentrant checkpoint whose recompute replays this registry."""

@@ -13,6 +13,8 @@ touching model code:
     layout_registry: true                # attention lengths come from the splits (train/cp/layout.py); default false
     local_attention: []                  # module paths whose attention runs on replicated tokens: no CP there
     cp_processors: null                  # "module:function" called with the model before CP attaches (optional)
+    joint_key_mask: []                   # a whole mask over a joint sequence: its segments, "<path>:<input>", in
+                                         # model order (masks.py puts its keys in the ranks' order)
     plan:
       rope:                              # a module path
         split_outputs:                   # output index -> spec (ContextParallelInput with split_output=True)
@@ -37,6 +39,7 @@ gathers has no diffusers spelling).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -95,6 +98,10 @@ class CPPlanSpec:
     # "module:function" called with the model before CP attaches: it swaps in attention processors whose masks CP
     # can split (e.g. a key-padding mask where the stock processor builds a (B, 1, S, S) mask from local lengths).
     cp_processors: str | None = None
+    # The forward builds one mask whole over a joint sequence made of these splits ("<plan path>:<input>" or
+    # "<plan path>:<output index>"), in model order, each rank's keys being the same concatenation of its shards
+    # (HunyuanVideo's [video | text] key mask): CP reorders its keys into the ranks' order (train/cp/masks.py).
+    joint_key_mask: tuple[str, ...] = ()
 
     def diffusers_plan(self, model: torch.nn.Module) -> DiffusersPlan:
         """`plan` plus `extra_gathers` expanded to this model's concrete module paths: what to hand to diffusers."""
@@ -252,6 +259,10 @@ class PlanFile(Section):
     """Module paths whose attention runs on replicated tokens: no CP there."""
     cp_processors: str | None = None
     """"module:function" called with the model before CP attaches, to swap in processors CP can split."""
+    joint_key_mask: list[str] = Field(default_factory=list)
+    """The split inputs ("<plan path>:<input>", or ":<output index>") a mask the forward builds whole over a joint
+    sequence is made of, in model order (each rank's keys: the same concatenation of its shards); CP puts the mask's
+    keys in the order ranks deliver them. Empty: such a mask is refused."""
     plan: Annotated[dict[ModulePath, PlanEntry], _non_empty("expected a non-empty mapping of module path -> entry")]
     """Module path ("" = the model, one '*' = every element of a ModuleList) -> what is split or gathered there."""
 
@@ -262,6 +273,13 @@ class PlanFile(Section):
             problems.append((("reason",), "'training: unsupported' needs a reason (text)"))
         if self.training == "supported" and self.reason is not None:
             problems.append((("reason",), "only 'training: unsupported' takes a reason; use a YAML comment for notes"))
+        splits = {f"{path}:{key}" for path, entry in self.plan.items() for key in entry.split()}
+        for i, name in enumerate(self.joint_key_mask):
+            if name not in splits:
+                problems.append((("joint_key_mask", str(i)), f"{name!r} is not a split of this plan (known: "
+                                 f"{', '.join(sorted(splits)) or 'none'})"))  # fmt: skip
+        if len(self.joint_key_mask) == 1:
+            problems.append((("joint_key_mask",), "a joint sequence has at least two segments"))
         report(problems)
         return self
 
@@ -284,6 +302,7 @@ class PlanFile(Section):
             layout_registry=self.layout_registry,
             local_attention=tuple(self.local_attention),
             cp_processors=self.cp_processors,
+            joint_key_mask=tuple(self.joint_key_mask),
         )
 
 
@@ -318,9 +337,17 @@ def load_plan_file(path: str | Path) -> CPPlanSpec:
 
 
 def load_plans(plan_dir: str | Path = PLAN_DIR) -> dict[str, CPPlanSpec]:
-    """Every `*.yaml` in `plan_dir`, by `model_class`. Two files for one class is an error (which would win?)."""
+    """Every `*.yaml` in `plan_dir`, by `model_class`. Two files for one class is an error (which would win?).
+    Parsed once per process while the files are unchanged (a model enabled twice reads no YAML again)."""
+    files = tuple((str(f), f.stat().st_mtime_ns) for f in sorted(Path(plan_dir).glob("*.yaml")))
+    return dict(_load_plans(files))
+
+
+@functools.lru_cache(maxsize=8)
+def _load_plans(files: tuple[tuple[str, int], ...]) -> dict[str, CPPlanSpec]:
     specs: dict[str, CPPlanSpec] = {}
-    for file in sorted(Path(plan_dir).glob("*.yaml")):
+    for name, _ in files:
+        file = Path(name)
         spec = load_plan_file(file)
         if spec.model_class in specs:
             other = _display(specs[spec.model_class].path)

@@ -52,19 +52,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .comm import TorchTransport, exchange_ints
-from .layout import split_sizes
-from .ulysses import _heads_to_seq, _model_state, _normalise_mask, _offsets, _qkv_to_heads, _seq_to_heads
+from train.errors import UserError
 
-__all__ = [
-    "RingAnythingAttention",
-    "ring_ulysses_attention",
-    "RingUlyssesAttention",
-    "math_attention_forward_op",
-    "math_attention_backward_op",
-    "install_ring_attention",
-    "uninstall_ring_attention",
-]
+from .a2a import heads_to_seq, model_state, offsets, own_heads, qkv_to_heads, seq_to_heads
+from .comm import TorchTransport, exchange_ints
+from .masks import normalise_mask, place_mask
+
+__all__ = ["RingAnythingAttention", "math_attention_backward_op", "math_attention_forward_op", "ring_ulysses_attention"]
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -313,9 +307,9 @@ class _Ring:
         if lay.mask == "travel":
             b = travelled
         else:
-            b = bias.narrow(3, _offsets(list(lay.kv_sizes))[j], lay.kv_sizes[j])
+            b = bias.narrow(3, offsets(list(lay.kv_sizes))[j], lay.kv_sizes[j])
         if lay.rows == "global":
-            b = b.narrow(2, _offsets(list(lay.q_sizes))[lay.rank], lay.q_sizes[lay.rank])
+            b = b.narrow(2, offsets(list(lay.q_sizes))[lay.rank], lay.q_sizes[lay.rank])
         return b.contiguous()
 
     @staticmethod
@@ -409,7 +403,7 @@ def _check_args(query, key, value, dropout_p, is_causal, enable_gqa) -> None:
     """User errors, raised before the first collective, so every rank fails alike and none hangs."""
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     if training and dropout_p > 0:
-        raise ValueError(
+        raise UserError(
             f"attention dropout {dropout_p} is not supported when training under ring CP: the backward recomputes "
             "attention block by block and would draw different dropout masks. Set attention dropout to 0."
         )
@@ -427,7 +421,14 @@ class RingAnythingAttention(torch.autograd.Function):
     @torch.compiler.disable  # P2P and the backend op run eagerly under a compiled block
     def apply(cls, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, *args, **kw):
         _check_args(query, key, value, dropout_p, is_causal, enable_gqa)
-        attn_mask = _normalise_mask(attn_mask, query.shape[2])
+        parallel_config = args[2] if len(args) > 2 else kw.get("_parallel_config")
+        attn_mask = place_mask(normalise_mask(attn_mask, query.shape[2]), key.shape[1], parallel_config)
+        return cls.placed(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, *args)
+
+    @classmethod
+    @torch.compiler.disable
+    def placed(cls, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, *args):
+        """`apply` for a normalised mask already in rank order (the hybrid places it for the whole CP group)."""
         return super().apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, *args)
 
     @staticmethod
@@ -447,7 +448,7 @@ class RingAnythingAttention(torch.autograd.Function):
         _parallel_config=None,
     ):
         group = _parallel_config.context_parallel_config._ring_mesh.get_group()
-        _, transport = _model_state(_parallel_config)
+        _, transport = model_state(_parallel_config)
         ctx.empty = query.shape[2] == 0
         if ctx.empty:  # a hybrid's Ulysses group with no heads: every rank of this ring group has none; no collective
             ctx.shapes = (query.shape, key.shape, value.shape)
@@ -490,7 +491,7 @@ class _SeqToHeads(torch.autograd.Function):
     def forward(ctx, query, key, value, mask, group, transport, out: dict):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         # No layout registry: a model's registry records splits over the whole CP group, not the Ulysses group.
-        q, k, v, mask, lay = _qkv_to_heads(query, key, value, mask, group, world, rank, None, transport)
+        q, k, v, mask, lay = qkv_to_heads(query, key, value, mask, group, world, rank, None, transport)
         ctx.lay, ctx.group, ctx.transport = lay, group, transport
         out.update(mask=mask, layout=lay)
         return q, k, v
@@ -499,7 +500,7 @@ class _SeqToHeads(torch.autograd.Function):
     def backward(ctx, dq, dk, dv):
         lay = ctx.lay
         seq = [lay.q_sizes, lay.kv_sizes, lay.kv_sizes]
-        dq, dk, dv = _heads_to_seq([dq, dk, dv], seq, lay, ctx.group, ctx.transport, "d_qkv")
+        dq, dk, dv = heads_to_seq([dq, dk, dv], seq, lay, ctx.group, ctx.transport, "d_qkv")
         return dq, dk, dv, None, None, None, None
 
 
@@ -509,13 +510,13 @@ class _HeadsToSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, lay, group, transport):
         ctx.lay, ctx.group, ctx.transport = lay, group, transport
-        (y,) = _heads_to_seq([x], [lay.q_sizes], lay, group, transport, "out")
+        (y,) = heads_to_seq([x], [lay.q_sizes], lay, group, transport, "out")
         return y
 
     @staticmethod
     def backward(ctx, grad):
         lay = ctx.lay
-        (d,), _ = _seq_to_heads([grad.contiguous()], [lay.q_sizes], lay, ctx.group, ctx.transport, "d_out")
+        (d,), _ = seq_to_heads([grad.contiguous()], [lay.q_sizes], lay, ctx.group, ctx.transport, "d_out")
         return d, None, None, None
 
 
@@ -527,10 +528,10 @@ def ring_ulysses_attention(
     """Hybrid ring × Ulysses-Anything attention, a drop-in for diffusers' `_templated_unified_attention` (same args;
     `scatter_idx` / `gather_idx` are diffusers' fixed (2, 1): heads scatter, sequence gathers)."""
     _check_args(query, key, value, dropout_p, is_causal, enable_gqa)
-    attn_mask = _normalise_mask(attn_mask, query.shape[2])
+    attn_mask = place_mask(normalise_mask(attn_mask, query.shape[2]), key.shape[1], _parallel_config)
     cp = _parallel_config.context_parallel_config
     group = cp._ulysses_mesh.get_group()
-    _, transport = _model_state(_parallel_config)
+    _, transport = model_state(_parallel_config)
     # A mask whose key dim is split like the keys rides in the Ulysses all-to-all and reaches the ring split like its
     # blocks. A mask with the GLOBAL key dim (whole on every rank) skips the all-to-all: the ring slices its columns
     # per block and its rows per stretch itself; only its heads are cut here, to this rank's Ulysses heads.
@@ -539,9 +540,8 @@ def ring_ulysses_attention(
     q, k, v = _SeqToHeads.apply(query, key, value, None if whole else attn_mask, group, transport, held)
     mask = held["mask"]
     if whole:
-        u, heads = dist.get_rank(group), split_sizes(query.shape[2], dist.get_world_size(group))
-        mask = attn_mask if attn_mask.shape[1] == 1 else attn_mask.narrow(1, sum(heads[:u]), heads[u])
-    out = RingAnythingAttention.apply(
+        mask = own_heads(attn_mask, held["layout"], dist.get_rank(group))
+    out = RingAnythingAttention.placed(
         q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, return_lse, forward_op, backward_op,
         _parallel_config,
     )  # fmt: skip
@@ -550,58 +550,5 @@ def ring_ulysses_attention(
         return _HeadsToSeq.apply(out, lay, group, transport)
     out, lse = out
     with torch.no_grad():
-        (lse,) = _heads_to_seq([lse.unsqueeze(-1).contiguous()], [lay.q_sizes], lay, group, transport, "lse")
+        (lse,) = heads_to_seq([lse.unsqueeze(-1).contiguous()], [lay.q_sizes], lay, group, transport, "lse")
     return _HeadsToSeq.apply(out, lay, group, transport), lse.squeeze(-1)
-
-
-class RingUlyssesAttention:
-    """`ring_ulysses_attention` behind the `.apply` contract of diffusers' templated CP attention classes."""
-
-    apply = staticmethod(ring_ulysses_attention)
-
-
-# -- routing diffusers' ring paths here -----------------------------------------------------------------------------
-
-# diffusers' own objects that `install_ring_attention` replaced, kept for `uninstall_ring_attention`. Module state on
-# purpose, like ulysses.py's: it records a patch of diffusers' module namespace, itself process-wide; written once by
-# the first install (while diffusers' own objects are in place), never changed after; nothing per model.
-_STOCK: dict[str, object] = {}
-
-
-def _ring_installed() -> bool:
-    from diffusers.models import attention_dispatch
-
-    return attention_dispatch._templated_unified_attention is ring_ulysses_attention
-
-
-def install_ring_attention() -> None:
-    """Route diffusers' ring and ring × Ulysses attention here. Idempotent.
-
-    diffusers' `_templated_context_parallel_attention` picks, at call time from its module namespace:
-    ring > 1 and Ulysses > 1 → `_templated_unified_attention` → `ring_ulysses_attention`; ring > 1 only →
-    `TemplatedRingAnythingAttention` (the mesh's config sets `ring_anything`) or `TemplatedRingAttention` → both
-    `RingAnythingAttention` (it needs no even split, so the even-split class may as well be exact too)."""
-    from diffusers.models import attention_dispatch
-
-    if _ring_installed():
-        return
-    if not _STOCK:
-        _STOCK.update(
-            ring_anything=attention_dispatch.TemplatedRingAnythingAttention,
-            ring=attention_dispatch.TemplatedRingAttention,
-            unified=attention_dispatch._templated_unified_attention,
-        )
-    attention_dispatch.TemplatedRingAnythingAttention = RingAnythingAttention
-    attention_dispatch.TemplatedRingAttention = RingAnythingAttention
-    attention_dispatch._templated_unified_attention = ring_ulysses_attention
-
-
-def uninstall_ring_attention() -> None:
-    """Restore diffusers' originals (tests and benchmarks that show the stock behaviour)."""
-    from diffusers.models import attention_dispatch
-
-    if not _ring_installed():
-        return
-    attention_dispatch.TemplatedRingAnythingAttention = _STOCK["ring_anything"]
-    attention_dispatch.TemplatedRingAttention = _STOCK["ring"]
-    attention_dispatch._templated_unified_attention = _STOCK["unified"]

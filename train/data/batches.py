@@ -4,18 +4,28 @@ contract (every rank of a CP group gets the same batch; DP groups get different 
 from __future__ import annotations
 
 import hashlib
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from ..config import Recipe
 from ..errors import UserError
-from ..models.spec import FamilySpec
-from .dataset import BucketBatchSampler, CachedLatentDataset, collate
+from .dataset import BucketBatchSampler, CachedLatentDataset, CacheReads, collate
 from .synthetic_latents import SyntheticLatentDataset
 
 
-def build_dataset(recipe: Recipe, spec: FamilySpec):
+class Family(Protocol):
+    """What the batch stream needs of a family's spec (train/models/spec.py `FamilySpec`; data knows no family)."""
+
+    name: str
+    batch_keys: tuple[str, ...]
+    shared_text_length: bool
+
+
+def build_dataset(recipe: Recipe, spec: Family, reads: CacheReads | None = None):
+    """The recipe's dataset: synthetic, or the cache `train.prepare` wrote, checked at once against what the family
+    reads (`reads`, from train.models.cache_reads; without it only the cache's family name is checked)."""
     data = recipe.data
     if data.synthetic is not None:
         missing = [k for k in spec.batch_keys if k not in data.synthetic.shapes]
@@ -25,10 +35,11 @@ def build_dataset(recipe: Recipe, spec: FamilySpec):
                                       getattr(torch, recipe.model.dtype))  # fmt: skip
     if data.cache_dir is None:
         raise UserError("set data.cache_dir (written by `python -m train.prepare`) or data.synthetic")
-    return CachedLatentDataset(data.cache_dir, family=recipe.model.family)  # checked now: files, sizes, family, keys
+    # checked now: files, sizes, family, keys
+    return CachedLatentDataset(data.cache_dir, family=reads or recipe.model.family)
 
 
-def check_text_lengths(dataset, spec: FamilySpec, recipe: Recipe) -> None:
+def check_text_lengths(dataset, spec: Family, recipe: Recipe) -> None:
     """A family that packs one unpadded text layout per batch (`spec.shared_text_length`) cannot batch captions of
     different token lengths, nor swap in the empty caption (caption dropout) unless it has their length. Refuse such a
     recipe at startup, from the cache's manifest (the same on every rank), instead of failing at some later step."""
@@ -38,7 +49,7 @@ def check_text_lengths(dataset, spec: FamilySpec, recipe: Recipe) -> None:
     if recipe.train.caption_dropout > 0:
         lengths.add(dataset.empty_prompt_length())
     if len(lengths) > 1:
-        raise ValueError(
+        raise UserError(
             f"{spec.name} packs one text layout per batch (no text mask), but this cache's captions (and the empty "
             f"caption, with caption dropout) have {len(lengths)} different token lengths {sorted(lengths)[:8]}: set "
             "train.batch_size: 1 and raise train.grad_accum for a larger effective batch"

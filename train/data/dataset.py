@@ -38,7 +38,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +149,10 @@ def pad_text(item: Mapping[str, torch.Tensor], length: int) -> dict[str, torch.T
         return out
     n = item["prompt_embeds"].shape[0]
     if n > length:
-        raise ValueError(f"prompt_embeds has {n} tokens, more than the {length} to pad to")
+        raise UserError(
+            f"a cached prompt_embeds has {n} tokens, more than the {length} its cache manifest records as "
+            "the longest: re-run python -m train.prepare into a new data.cache_dir"
+        )
     if n < length:
         emb = item["prompt_embeds"]
         out["prompt_embeds"] = torch.cat([emb, emb.new_zeros(length - n, *emb.shape[1:])])
@@ -157,17 +161,27 @@ def pad_text(item: Mapping[str, torch.Tensor], length: int) -> dict[str, torch.T
     return out
 
 
+@dataclass(frozen=True)
+class CacheReads:
+    """What a model family reads from a cache, as the family's side states it (train/models `cache_reads`): this
+    module knows no family."""
+
+    family: str
+    keys: tuple[str, ...]  # the tensors every sample must hold: the noised streams, then what the spec reads
+    latent_shapes: Callable[[int, int, int, float | None], Mapping[str, tuple[int, ...]]]  # per bucket and fps
+
+
 class CachedLatentDataset:
     """Items of a prepared cache: dicts of tensors (see the module doc), loaded from the sample files on access.
 
     `pad_text=True` (default) right-pads every item's text (and `empty_prompt()`) to the longest text in the cache, so
     any batch stacks and caption dropout can swap in the empty caption; families whose pipeline pads to a fixed
     length (T5/UMT5) already have equal lengths and are untouched. `buckets[i]` is item i's bucket, for the sampler.
-    Opening checks the files (see the module doc) and, given `family` (the recipe's model.family), that the cache fits
-    that family's spec; every problem is a `UserError`.
+    Opening checks the files (see the module doc) and, given `family` (the recipe's model.family, or what it reads:
+    `CacheReads`), that the cache was prepared for it and fits what it reads; every problem is a `UserError`.
     """
 
-    def __init__(self, cache_dir: str | Path, *, pad_text: bool = True, family: str | None = None) -> None:
+    def __init__(self, cache_dir: str | Path, *, pad_text: bool = True, family: str | CacheReads | None = None) -> None:
         self.cache_dir = Path(cache_dir)
         self.non_finite: set[Path] = set()  # samples already reported as holding NaN/Inf
         self.manifest = read_manifest(self.cache_dir)
@@ -201,28 +215,31 @@ class CachedLatentDataset:
                 "missing and damaged samples), or point data.cache_dir at a complete cache"
             )
 
-    def check_family(self, family: str) -> None:
-        """The cache was prepared for `family`, and each bucket holds the keys its spec reads with the latent rank its
-        encoder writes (from the manifest: no file read). A UserError otherwise."""
-        from ..models import get_encoder, get_family
+    def check_family(self, family: str | CacheReads) -> None:
+        """The cache was prepared for `family` (a name: the manifest's family), and, given what the family reads
+        (`CacheReads`, from train.models.cache_reads), each bucket holds those keys with the latent rank its encoder
+        writes (from the manifest: no file read). A UserError otherwise."""
         from .media import Bucket
 
+        reads = family if isinstance(family, CacheReads) else None
+        family = reads.family if reads is not None else family
         cached = self.manifest.get("family")
         fix = f"point data.cache_dir at a {family} cache, or {_prepare_fix('<a new folder>')}"
         if cached != family:
             raise UserError(f"cache {self.cache_dir} was prepared for model family {cached!r}, not {family!r}: {fix}")
-        spec, encoder = get_family(family), get_encoder(family)
+        if reads is None:
+            return
         fps = self.manifest.get("settings", {}).get("fps")
         first = {}
         for s in self.samples:
             first.setdefault(s["bucket"], s["file"])
         for bucket, tensors in self.manifest.get("tensors", {}).items():
             where = f"cache {self.cache_dir}: {first.get(bucket, bucket)} (bucket {bucket})"
-            missing = [k for k in dict.fromkeys((*spec.streams, *spec.batch_keys)) if k not in tensors]
+            missing = [k for k in reads.keys if k not in tensors]
             if missing:
                 raise UserError(f"{where} lacks {missing}, which {family} reads; {fix}")
             b = Bucket.parse(bucket)
-            for key, shape in encoder.latent_shapes(b.frames, b.height, b.width, fps).items():
+            for key, shape in reads.latent_shapes(b.frames, b.height, b.width, fps).items():
                 have = tuple(tensors[key]["shape"])
                 if len(have) != len(shape):
                     raise UserError(

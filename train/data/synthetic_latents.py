@@ -20,21 +20,31 @@ class SyntheticLatentDataset:
     def __len__(self) -> int:
         return self.num_samples
 
-    def _tensors(self, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    def _tensors(self, gen: torch.Generator, index: int) -> dict[str, torch.Tensor]:
         item = {}
         for key, shape in sorted(self.shapes.items()):
             if key.endswith("_mask"):
-                mask = torch.ones(shape, dtype=torch.bool)
-                mask[..., shape[-1] - shape[-1] // 4 :] = False  # padded tail, as a tokenizer pads a short caption
-                item[key] = mask
+                item[key] = self.text_mask(shape, index)
             else:
                 item[key] = torch.randn(shape, generator=gen).to(self.dtype)
         return item
 
+    @staticmethod
+    def text_mask(shape: list[int], index: int) -> torch.Tensor:
+        """A right-padded key mask, as a tokenizer pads a short caption to its maximum length: about two thirds of
+        the positions padded (more than any CP rank's share of the text, so a mask applied in the wrong key order
+        hides kept tokens), a different count for consecutive samples (prompts of different lengths in one batch);
+        the empty caption (index -1) keeps one token."""
+        n = shape[-1]
+        kept = 1 if index < 0 else min(n, max(1, n // 3 + index % (n // 4 + 1)))
+        mask = torch.zeros(shape, dtype=torch.bool)
+        mask[..., :kept] = True
+        return mask
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return self._tensors(torch.Generator().manual_seed(self.seed * 100_003 + index))
+        return self._tensors(torch.Generator().manual_seed(self.seed * 100_003 + index), index)
 
     def empty_prompt(self) -> dict[str, torch.Tensor]:
         """The 'empty caption' embeddings used for caption dropout (a fixed sample of its own)."""
-        item = self._tensors(torch.Generator().manual_seed(self.seed * 100_003 - 1))
+        item = self._tensors(torch.Generator().manual_seed(self.seed * 100_003 - 1), -1)
         return {k: v for k, v in item.items() if k.startswith(("prompt", "pooled"))}

@@ -5,7 +5,7 @@ Usage::
     from train.models import get_family
 
     spec = get_family("flux")
-    kwargs = spec.forward_kwargs(batch, noisy, sigmas, model_config=transformer.config, cp=cp_enabled)
+    kwargs = spec.forward_kwargs(batch, noisy, sigmas, model_config=transformer.config)
     preds = spec.predictions(transformer(**kwargs, return_dict=False), shapes, model_config=transformer.config)
 
 A family is a package (a folder with ``__init__.py``; its name is the family key recipes use) whose ``__init__``
@@ -13,13 +13,18 @@ exports:
 
 * ``SPEC``: the :class:`~train.models.spec.FamilySpec` the trainer reads (``SPEC.name`` is the folder name),
 * ``Encoder``: the :class:`~train.models.encoder.FamilyEncoder` subclass ``train.prepare`` caches data with,
-* ``TINY_CONFIG``: the tiny transformer's init config (what ``recipes/tiny/<family>.yaml`` random-initialises),
-* ``build_tiny(path)``: writes a tiny random-init pipeline folder (``save_pretrained`` of the real pipeline class),
+* ``build_tiny(path)``: writes a tiny random-init pipeline folder (``save_pretrained`` of the real pipeline class)
+  whose transformer is the family's tiny config (:func:`tiny_config`),
 
 and documents in its docstring the cache layout, the forward kwargs and what the spec does not cover. Besides its
 folder, a family needs a CP plan for its transformer class (``cp_plans/<family>.yaml``; variants of one class, such as
-Wan 2.1 text- and image-to-video, share one) and its tiny recipe (``recipes/tiny/<family>.yaml``).
+Wan 2.1 text- and image-to-video, share one) and its tiny recipe (``recipes/tiny/<family>.yaml``), whose
+``model.init_config`` is the family's tiny transformer config, declared there once.
 The modules next to the packages (``spec``, ``encoder``, ``tiny``) are shared plumbing, not families.
+
+Families load on first use: discovering them (:func:`family_names`) imports none, :func:`get_family` /
+:func:`family_module` import the one asked for, and no family imports a diffusers pipeline module (or a transformers
+model) before it runs one of its functions.
 """
 
 from __future__ import annotations
@@ -28,17 +33,22 @@ import functools
 import importlib
 import json
 import pkgutil
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
+import yaml
+
+from train.data.dataset import CacheReads
 
 from .encoder import FamilyEncoder
-from .spec import PRIMARY_STREAM, FamilySpec, ShiftSpec
+from .spec import PRIMARY_STREAM, Batch, Config, FamilySpec, Shapes, ShiftSpec, Streams
 
-_CONTRACT = ("SPEC", "Encoder", "TINY_CONFIG", "build_tiny")
+_CONTRACT = ("SPEC", "Encoder", "build_tiny")
 _TINY_SEED = 0
+TINY_RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "tiny"
 
 
 def family_names() -> tuple[str, ...]:
@@ -48,11 +58,16 @@ def family_names() -> tuple[str, ...]:
     return tuple(sorted(m.name for m in found if m.ispkg and not m.name.startswith("_")))
 
 
-@functools.cache
-def family_module(name: str) -> ModuleType:
-    """The package of family ``name``, checked against the family contract (see the module docstring)."""
+def _check_known(name: str) -> None:
     if name not in family_names():
         raise KeyError(f"unknown model family {name!r}; known families: {list(family_names())}")
+
+
+@functools.cache
+def family_module(name: str) -> ModuleType:
+    """The package of family ``name`` (imported on first use), checked against the family contract (see the module
+    docstring)."""
+    _check_known(name)
     module = importlib.import_module(f"{__name__}.{name}")
     missing = [attr for attr in _CONTRACT if not hasattr(module, attr)]
     if missing:
@@ -62,23 +77,33 @@ def family_module(name: str) -> ModuleType:
     return module
 
 
-FAMILIES: dict[str, FamilySpec] = {name: family_module(name).SPEC for name in family_names()}
+class _Families(Mapping[str, FamilySpec]):
+    """The family specs by key, in :func:`family_names` order; a family's package is imported when its spec is read."""
+
+    def __getitem__(self, name: str) -> FamilySpec:
+        if name not in family_names():
+            raise KeyError(name)
+        return family_module(name).SPEC
+
+    def __contains__(self, name: object) -> bool:
+        return name in family_names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(family_names())
+
+    def __len__(self) -> int:
+        return len(family_names())
+
+    def __repr__(self) -> str:
+        return f"FAMILIES({list(family_names())})"
+
+
+FAMILIES: Mapping[str, FamilySpec] = _Families()
 
 
 def get_family(name: str) -> FamilySpec:
     """The spec of family ``name`` (a key of :data:`FAMILIES`)."""
-    try:
-        return FAMILIES[name]
-    except KeyError:
-        raise KeyError(f"unknown model family {name!r}; known families: {sorted(FAMILIES)}") from None
-
-
-def family_for_transformer(class_name: str) -> FamilySpec:
-    """The spec whose ``transformer_class`` is ``class_name`` (e.g. ``type(transformer).__name__``)."""
-    matches = [spec for spec in FAMILIES.values() if spec.transformer_class == class_name]
-    if len(matches) != 1:
-        raise KeyError(f"no unique model family for transformer class {class_name!r}")
-    return matches[0]
+    return family_module(name).SPEC
 
 
 def get_encoder(name: str) -> FamilyEncoder:
@@ -86,9 +111,19 @@ def get_encoder(name: str) -> FamilyEncoder:
     return family_module(name).Encoder()
 
 
+def cache_reads(name: str) -> CacheReads:
+    """What family ``name`` reads from a prepared cache (checked when the trainer opens one): its noised streams and
+    batch keys, and the latent shapes its encoder writes per bucket."""
+    spec = get_family(name)
+    return CacheReads(name, tuple(dict.fromkeys((*spec.streams, *spec.batch_keys))), get_encoder(name).latent_shapes)
+
+
 def tiny_config(name: str) -> dict[str, Any]:
-    """The tiny transformer's init config of family ``name`` (a copy: 7 heads of dim 8, 1-2 layers)."""
-    return dict(family_module(name).TINY_CONFIG)
+    """The tiny transformer's init config of family ``name`` (7 heads of dim 8, 1-2 layers): ``model.init_config`` of
+    its tiny recipe ``recipes/tiny/<family>.yaml``, read fresh on every call (plain YAML: lists, not tuples)."""
+    _check_known(name)
+    recipe = yaml.safe_load((TINY_RECIPES / f"{name}.yaml").read_text())
+    return dict(recipe["model"]["init_config"])
 
 
 def real_configs(name: str) -> dict[str, dict[str, Any]]:
@@ -195,15 +230,20 @@ def build_tiny_pipeline(name: str, path: str | Path) -> Path:
 
 
 __all__ = [
+    "Batch",
+    "Config",
     "FAMILIES",
+    "TINY_RECIPES",
     "PRIMARY_STREAM",
     "FamilyEncoder",
     "FamilySpec",
+    "Shapes",
     "ShiftSpec",
+    "Streams",
     "build_tiny_pipeline",
+    "cache_reads",
     "expert_sigma_range",
     "pipeline_boundary_ratio",
-    "family_for_transformer",
     "family_module",
     "real_configs",
     "transformer_config",

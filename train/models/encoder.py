@@ -22,7 +22,14 @@ import torch
 
 from train.data.media import Geometry
 
-__all__ = ["FamilyEncoder", "SampleMode", "load_reference_image", "mean_std_normalise", "transformer_patch"]
+__all__ = [
+    "FamilyEncoder",
+    "SampleMode",
+    "load_processor_without_video",
+    "load_reference_image",
+    "mean_std_normalise",
+    "transformer_patch",
+]
 
 SampleMode = Literal["sample", "mode"]
 
@@ -45,6 +52,38 @@ def load_reference_image(reference: Any, item: str):
         return _open_image(reference)
     except BadMediaError as e:
         raise BadMediaError("bad_reference", e.detail) from None
+
+
+@functools.cache
+def _without_video(processor_class: str) -> type:
+    import transformers
+
+    class WithoutVideo(getattr(transformers, processor_class)):
+        """The processor without its video processor (transformers builds that one only with torchvision)."""
+
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    WithoutVideo.__name__ = WithoutVideo.__qualname__ = f"{processor_class}WithoutVideo"
+    return WithoutVideo
+
+
+def load_processor_without_video(
+    processor_class: str, path: str, subfolder: str = "processor", revision: str | None = None
+) -> Any:
+    """A checkpoint's transformers ``processor_class`` (Qwen2VLProcessor, Qwen3VLProcessor: its tokenizer and image
+    processor, read from its own files) less the video processor, for machines without torchvision, where
+    transformers cannot build the video processor; for pipelines that never show the processor a video."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    kw = {"subfolder": subfolder, "revision": revision}
+    return _without_video(processor_class)(
+        image_processor=AutoImageProcessor.from_pretrained(path, **kw),
+        tokenizer=AutoTokenizer.from_pretrained(path, **kw),
+        video_processor=None,
+    )
 
 
 def transformer_patch(config: Mapping[str, Any] | None, key: str, default: Any) -> Any:
@@ -138,6 +177,14 @@ class FamilyEncoder(ABC):
     def _geometry(self, vae_config: Mapping[str, Any], tr_config: Mapping[str, Any] | None) -> tuple[int, int, int]:
         """(spatial_multiple, frame_period, frame_offset) from the configs."""
 
+    def _patched_geometry(
+        self, spatial: int, temporal: int, tr_config: Mapping[str, Any] | None
+    ) -> tuple[int, int, int]:
+        """``_geometry`` of a video VAE compressing ``spatial`` x ``temporal`` (frames ``temporal * k + 1``) under the
+        transformer's (t, h, w) patch (``spec.patch``; its defaults when the config is unknown)."""
+        patch_t, patch_h, _ = self.spec.patch.of(tr_config)
+        return spatial * patch_h, temporal * patch_t, 1
+
     # ---------------------------------------------------------------------------------------------------- loading
 
     def load(
@@ -159,12 +206,12 @@ class FamilyEncoder(ABC):
         index = pipeline_cls.load_config(pretrained_path, revision=revision)
         skip = {k: None for k in index if k.startswith("transformer") and not k.startswith("_")}
         dtype = {"default": text_dtype, "vae": torch.float32, "image_encoder": torch.float32}
-        own = self._components(pretrained_path, revision)
+        own = self.pipeline_components(pretrained_path, revision)
         self.pipe = pipeline_cls.from_pretrained(pretrained_path, revision=revision, dtype=dtype, **skip, **own)
         self.device = torch.device(device)
         self.pipe.to(self.device)
 
-    def _components(self, pretrained_path: str, revision: str | None) -> dict[str, Any]:
+    def pipeline_components(self, pretrained_path: str, revision: str | None) -> dict[str, Any]:
         """Pipeline components the family builds itself from the checkpoint's files, passed to `from_pretrained`
         (Qwen-Image-Edit: its Qwen2VLProcessor without the video processor, which needs torchvision)."""
         return {}

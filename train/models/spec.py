@@ -6,13 +6,20 @@ trainer never branches on the family name:
 * which diffusers classes make up the family (transformer, pipeline, VAE) and which modules LoRA adapts,
 * the flow-matching timestep shift of the family's scheduler (:class:`ShiftSpec`),
 * how a cached batch plus noisy latents plus timesteps become the transformer's forward kwargs (``build_inputs``), and
-  how the transformer output maps back to the latent layout the loss is computed in (``unpack_output``),
+  how the transformer output maps back to the latent layout the loss is computed in (``unpack_output``; default: the
+  first output tensor is the prediction, already in the cached layout),
 * what the pipeline passes as ``timestep`` for a given noise level ``sigma`` (``timestep_from_sigma``),
-* how many transformer tokens a sample is (``count_tokens``, for the throughput metric),
-* context-parallel quirks (``text_mask_fed_in_cp``).
+* how many transformer tokens a sample is (for the throughput metric: by default the latent grid cut into the
+  transformer's :class:`Patch`; ``count_tokens`` where a family counts otherwise).
 
-Everything else about a family (its data encoder, tiny config and tiny pipeline, what the spec does not cover) lives
-next to its spec in ``train/models/<family>/``.
+The forward kwargs are the pipeline's, with and without context parallelism: CP needs no other inputs. A spec states
+what differs from the defaults; a variant is its base spec through ``dataclasses.replace`` (or
+:meth:`FamilySpec.with_appended_latents`). No pipeline module is imported to build a spec: the family functions import
+the pipeline helpers they call when first called (:class:`PipelineFunction` for the shift's ``mu``), so reading the
+specs stays cheap.
+
+Everything else about a family (its data encoder, tiny pipeline, what the spec does not cover) lives next to its spec
+in ``train/models/<family>/``.
 
 Streams
 -------
@@ -22,37 +29,142 @@ stream is always ``"latents"`` (the cached ``batch["latents"]``); :attr:`FamilyS
 (each is a cached batch key, e.g. ``"audio_latents"``) and their own shift. The family functions therefore have the
 signatures::
 
-    build_inputs(batch, noisy_latents: Mapping[str, Tensor], timesteps: Mapping[str, Tensor], *, model_config) -> dict
-    unpack_output(out, latents_shapes: Mapping[str, torch.Size], *, model_config) -> dict[str, Tensor]
-    count_tokens(latents_shapes: Mapping[str, tuple[int, ...]], model_config) -> int
+    build_inputs(batch: Batch, noisy_latents: Streams, timesteps: Streams, *, model_config: Config) -> dict
+    unpack_output(out, latents_shapes: Shapes, *, model_config: Config) -> dict[str, Tensor]
+    count_tokens(latents_shapes: Mapping[str, tuple[int, ...]], model_config: Config) -> int
 
 where ``timesteps`` are already in the model's convention (``timestep_from_sigma(sigmas)``) and ``out`` is whatever
 ``transformer(**kwargs, return_dict=False)`` returned. :meth:`FamilySpec.forward_kwargs` and
-:meth:`FamilySpec.predictions` wrap them (accepting a bare tensor for the primary stream) and apply the CP text-mask
-rule and the velocity sign.
+:meth:`FamilySpec.predictions` wrap them (accepting a bare tensor for the primary stream) and apply the velocity sign.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
-from diffusers.utils import BaseOutput
 
 PRIMARY_STREAM = "latents"
 
+Batch = Mapping[str, Any]  # a collated cache batch: cache key -> (B, ...) tensor
+Streams = Mapping[str, torch.Tensor]  # stream name -> tensor (noisy latents, timesteps)
+Shapes = Mapping[str, torch.Size]  # stream name -> the (B, C, ...) latents shape
+Config = Mapping[str, Any]  # the transformer's config
 BuildInputs = Callable[..., dict[str, Any]]
 UnpackOutput = Callable[..., dict[str, torch.Tensor]]
-CountTokens = Callable[[Mapping[str, tuple[int, ...]], Mapping[str, Any]], int]
+CountTokens = Callable[[Mapping[str, tuple[int, ...]], Config], int]
 
 
 def frozen(mapping: Mapping[str, Any] | None = None, **kwargs: Any) -> Mapping[str, Any]:
     """A read-only mapping (for dataclass fields that must stay immutable)."""
     return MappingProxyType({**(mapping or {}), **kwargs})
+
+
+# FlowMatchEulerDiscreteScheduler's defaults of the scheduler_config.json keys the shift reads: a released config states
+# what differs.
+FLOW_MATCH_EULER = frozen(
+    {
+        "num_train_timesteps": 1000,
+        "shift": 1.0,
+        "use_dynamic_shifting": False,
+        "base_shift": 0.5,
+        "max_shift": 1.15,
+        "base_image_seq_len": 256,
+        "max_image_seq_len": 4096,
+    }
+)
+
+
+@dataclass(frozen=True)
+class PipelineFunction:
+    """``module.name`` (a diffusers pipeline helper, e.g. ``calculate_shift``), imported on its first call: a spec can
+    hold the pipeline's own function without importing the pipeline module (and the transformers models it pulls in)
+    whenever the specs are read."""
+
+    module: str
+    name: str
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(self.module), self.name)(*args, **kwargs)
+
+
+def output_tensors(out: Any) -> tuple[torch.Tensor, ...]:
+    """The tensors of a transformer output (a tensor, a tuple from ``return_dict=False`` or a ``BaseOutput``)."""
+    from diffusers.utils import BaseOutput
+
+    if isinstance(out, BaseOutput):
+        out = out.to_tuple()
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    return tuple(out)
+
+
+def first_output(out: Any, latents_shapes: Shapes, *, model_config: Config) -> dict[str, torch.Tensor]:
+    """The default ``unpack_output``: the first output tensor is the primary stream's prediction, in the cached layout
+    already (the transformer unpatchifies it itself: Wan, HunyuanVideo)."""
+    return {PRIMARY_STREAM: output_tensors(out)[0]}
+
+
+def sigma_identity(sigmas: torch.Tensor) -> torch.Tensor:
+    """``timestep = t / 1000 = sigma`` (Flux, Flux.2, Qwen-Image pass ``timestep / 1000``)."""
+    return sigmas
+
+
+def sigma_times_1000(sigmas: torch.Tensor) -> torch.Tensor:
+    """``timestep = sigma * num_train_timesteps`` in [0, 1000] (Wan, ChronoEdit, LTX-Video)."""
+    return sigmas * 1000.0
+
+
+def one_minus_sigma(sigmas: torch.Tensor) -> torch.Tensor:
+    """``timestep = 1 - sigma`` in [0, 1], 1 = clean (MiniMax-H3)."""
+    return 1.0 - sigmas
+
+
+def patched_tokens(latents_shape: Sequence[int], patch_size: Sequence[int] | int) -> int:
+    """Tokens of one sample's (C, *grid) latents cut into ``patch_size`` patches (one size per grid axis, or one for
+    every axis)."""
+    grid = tuple(latents_shape[1:])
+    patch = (patch_size,) * len(grid) if isinstance(patch_size, int) else tuple(patch_size)
+    if len(patch) != len(grid):
+        raise ValueError(f"patch size {patch} does not fit the latent grid {grid}")
+    tokens = 1
+    for size, p in zip(grid, patch, strict=True):
+        tokens *= int(size) // int(p)
+    return tokens
+
+
+@dataclass(frozen=True)
+class Patch:
+    """The transformer's patch over one sample's latent grid (the axes after C), read from its config.
+
+    ``sizes``: the config key that holds the whole per-axis patch (Wan's ``patch_size`` (1, 2, 2)), or one entry per
+    grid axis, each a config key or a fixed size (HunyuanVideo's ``("patch_size_t", "patch_size", "patch_size")``;
+    FLUX.1's ``(2, 2)``, the pipeline's packing). ``defaults``: the values of keys a config may lack.
+    """
+
+    sizes: str | tuple[int | str, ...]
+    defaults: Mapping[str, Any] = field(default_factory=frozen)
+
+    @classmethod
+    def time_space(cls, patch_size_t: int, patch_size: int) -> Patch:
+        """``patch_size_t`` frames x ``patch_size`` x ``patch_size`` latent pixels: the config keys of the transformers
+        that patch time and space apart (HunyuanVideo, LTX-Video), with the defaults of their class."""
+        return cls(
+            ("patch_size_t", "patch_size", "patch_size"), frozen(patch_size_t=patch_size_t, patch_size=patch_size)
+        )
+
+    def of(self, model_config: Config | None) -> tuple[int, ...]:
+        """The per-axis patch size for ``model_config`` (None: the defaults)."""
+        config = {**self.defaults, **(model_config or {})}
+        if isinstance(self.sizes, str):
+            return tuple(int(p) for p in config[self.sizes])
+        return tuple(int(config[s]) if isinstance(s, str) else s for s in self.sizes)
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,23 +200,46 @@ class ShiftSpec:
             raise ValueError(f"shift must be positive, got {self.shift}")
 
     @classmethod
-    def linear_mu(cls, scheduler_config: Mapping[str, Any], calculate_shift: Callable[..., float]) -> ShiftSpec:
-        """Dynamic shift whose mu is the pipeline's `calculate_shift` (linear in the sequence length) bound to the
-        config's base/max sequence lengths and shifts: Flux, Qwen-Image, LTX-Video."""
-        c = scheduler_config
+    def static(
+        cls, scheduler_config: Mapping[str, Any], scheduler_class: str = "FlowMatchEulerDiscreteScheduler"
+    ) -> ShiftSpec:
+        """The fixed shift a scheduler config holds: UniPCMultistepScheduler's ``flow_shift``, the other schedulers'
+        ``shift`` (FlowMatchEulerDiscreteScheduler, MiniMaxH3Scheduler)."""
+        key = "flow_shift" if scheduler_class == "UniPCMultistepScheduler" else "shift"
+        return cls(
+            kind="static",
+            scheduler_class=scheduler_class,
+            scheduler_config=scheduler_config,
+            shift=scheduler_config[key],
+        )
+
+    @classmethod
+    def dynamic(cls, mu_fn: Callable[[int], float], **config: Any) -> ShiftSpec:
+        """Resolution-dependent shift of a FlowMatchEulerDiscreteScheduler with dynamic shifting whose
+        scheduler_config.json holds the class defaults (:data:`FLOW_MATCH_EULER`) but ``config``; ``mu_fn``: the
+        pipeline's mu of ``image_seq_len``."""
+        config = frozen(FLOW_MATCH_EULER, use_dynamic_shifting=True, **config)
         return cls(
             kind="dynamic",
             scheduler_class="FlowMatchEulerDiscreteScheduler",
-            scheduler_config=c,
-            shift=c["shift"],
-            mu_fn=functools.partial(
-                calculate_shift,
-                base_seq_len=c["base_image_seq_len"],
-                max_seq_len=c["max_image_seq_len"],
-                base_shift=c["base_shift"],
-                max_shift=c["max_shift"],
-            ),
+            scheduler_config=config,
+            shift=config["shift"],
+            mu_fn=mu_fn,
         )
+
+    @classmethod
+    def linear_mu(cls, pipeline_module: str, **config: Any) -> ShiftSpec:
+        """:meth:`dynamic` with mu from ``calculate_shift`` of the pipeline module (linear in the sequence length)
+        bound to the config's base/max sequence lengths and shifts: Flux, Qwen-Image, LTX-Video."""
+        c = {**FLOW_MATCH_EULER, **config}
+        mu_fn = functools.partial(
+            PipelineFunction(pipeline_module, "calculate_shift"),
+            base_seq_len=c["base_image_seq_len"],
+            max_seq_len=c["max_image_seq_len"],
+            base_shift=c["base_shift"],
+            max_shift=c["max_shift"],
+        )
+        return cls.dynamic(mu_fn, **config)
 
     def mu(self, image_seq_len: int) -> float:
         if self.mu_fn is None:
@@ -112,40 +247,53 @@ class ShiftSpec:
         return float(self.mu_fn(int(image_seq_len)))
 
 
-@dataclass(frozen=True, eq=False)
+class Classes(NamedTuple):
+    """The diffusers classes of a family (names in ``diffusers``): the transformer it trains, the pipeline its
+    checkpoints (and tiny folder) load with, the pipeline's VAE."""
+
+    transformer: str
+    pipeline: str
+    vae: str
+
+
+# The attention projections diffusers' and finetrainers' LoRA recipes adapt: query, key, value and output.
+ATTENTION_PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0")
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
 class FamilySpec:
-    """One model family, as data. See the module docstring for the function signatures."""
+    """One model family, as data: the fields without a default, then what differs from the defaults. See the module
+    docstring for the function signatures."""
 
     name: str
-    transformer_class: str
-    pipeline_class: str
-    vae_class: str
+    # (transformer, pipeline, VAE) class names; read as transformer_class, pipeline_class, vae_class.
+    classes: Classes
     latent_kind: Literal["image", "video"]
-    # Module-name suffixes to adapt with LoRA (peft ``target_modules``).
-    lora_targets: tuple[str, ...]
     # Shift of the primary ("latents") stream.
     shift: ShiftSpec
     build_inputs: BuildInputs
-    unpack_output: UnpackOutput
-    # sigmas (B,) -> the ``timestep`` the pipeline passes to the transformer.
-    timestep_from_sigma: Callable[[torch.Tensor], torch.Tensor]
-    # Per-sample latent shapes of the noised streams + the transformer config -> transformer tokens (see
-    # tokens_per_sample).
-    count_tokens: CountTokens
     # Cache keys build_inputs reads (besides the noisy streams); optional keys are not listed.
     batch_keys: tuple[str, ...]
+    # Module-name suffixes to adapt with LoRA (peft ``target_modules``).
+    lora_targets: tuple[str, ...] = ATTENTION_PROJECTIONS
+    # sigmas (B,) -> the ``timestep`` the pipeline passes to the transformer. Default: the scheduler's timestep
+    # ``sigma * 1000``, which most pipelines pass as is.
+    timestep_from_sigma: Callable[[torch.Tensor], torch.Tensor] = sigma_times_1000
+    # The transformer output -> the prediction per stream in the cached latent layout. Default: the first output
+    # tensor is the primary stream's, as the transformer returns it.
+    unpack_output: UnpackOutput = first_output
+    # The transformer's patch over the primary latent grid; a sample's tokens are the patches of its sequence latents
+    # (see tokens_per_sample). Default: the config's per-axis ``patch_size``.
+    patch: Patch = Patch("patch_size")
+    # Per-sample latent shapes of the noised streams + the transformer config -> transformer tokens, for a family
+    # whose sequence is more than its latents' patches (MiniMax-H3's audio rows); None: the patches.
+    count_tokens: CountTokens | None = None
+    # Cache keys of clean latents the pipeline appends to the noisy tokens (the reference image of FLUX.1 Kontext and
+    # Qwen-Image-Edit, see with_appended_latents); their patches are sequence tokens too.
+    sequence_latents: tuple[str, ...] = ()
     # Per-sample latent shape (C, ...) of the primary stream -> the ``image_seq_len`` the pipeline's dynamic shift uses
     # (None: the shift is static and does not depend on the resolution).
     shift_seq_len: Callable[[Sequence[int]], int] | None = None
-    # False only where the family has a text mask that can't be fed under context parallelism (the processor turns it
-    # into a per-head mask Ulysses can't shard): the trainer passes ``None`` instead (see forward_kwargs).
-    text_mask_fed_in_cp: bool = True
-    # True where the forward needs a mask tensor (HunyuanVideo sums it): where the mask is not fed under CP, the trainer
-    # passes an all-ones mask over the cut text instead of ``None``.
-    text_mask_required: bool = False
-    # Forward kwarg that carries the text mask, and the one that carries the text tokens (None: no text mask).
-    text_mask_kwarg: str | None = None
-    text_kwarg: str = "encoder_hidden_states"
     # Other noised streams (cached batch key -> its shift), e.g. MiniMax-H3's audio.
     extra_streams: Mapping[str, ShiftSpec] = field(default_factory=frozen)
     # True: the transformer takes one timestep layout for the whole batch, so all samples share one sigma.
@@ -181,6 +329,20 @@ class FamilySpec:
         if self.shift_seq_len is None and any(s.kind == "dynamic" for s in shifts):
             raise ValueError(f"{self.name}: a dynamic shift needs shift_seq_len")
 
+    # Classes -----------------------------------------------------------------------------------------------------
+
+    @property
+    def transformer_class(self) -> str:
+        return self.classes.transformer
+
+    @property
+    def pipeline_class(self) -> str:
+        return self.classes.pipeline
+
+    @property
+    def vae_class(self) -> str:
+        return self.classes.vae
+
     # Streams -----------------------------------------------------------------------------------------------------
 
     @property
@@ -200,15 +362,34 @@ class FamilySpec:
         a static shift (it does not depend on the resolution)."""
         return None if self.shift_seq_len is None else int(self.shift_seq_len(tuple(latents_shape)))
 
-    def tokens_per_sample(self, latents_shapes: Mapping[str, Sequence[int]], model_config: Mapping[str, Any]) -> int:
+    def tokens_per_sample(self, latents_shapes: Mapping[str, Sequence[int]], model_config: Config) -> int:
         """Transformer tokens of one sample: the noised streams after patching, from their per-sample shapes (C, ...).
 
-        Video/image latents count their tokens after the transformer's patch size (Flux's 2x2 packing, Wan's 1x2x2
-        patches, ...), MiniMax-H3 adds its audio rows. Text tokens are not counted: they are conditioning, their
-        length is set by the tokenizer and padding rather than by the data, and some families never split them under
-        CP. This is the throughput metric's unit (``transformer_tokens_per_s``).
+        Video/image latents count their tokens after the transformer's :attr:`patch` (Flux's 2x2 packing, Wan's 1x2x2
+        patches, ...), the appended :attr:`sequence_latents` too (counted like the primary latents when their shape is
+        not given: the trainer's throughput passes the noised streams only), MiniMax-H3 adds its audio rows. Text
+        tokens are not counted: they are conditioning, their length is set by the tokenizer and padding rather than by
+        the data, and some families never split them under CP. This is the throughput metric's unit
+        (``transformer_tokens_per_s``).
         """
-        return int(self.count_tokens({k: tuple(v) for k, v in latents_shapes.items()}, model_config))
+        shapes = {k: tuple(v) for k, v in latents_shapes.items()}
+        if self.count_tokens is not None:
+            return int(self.count_tokens(shapes, model_config))
+        patch, primary = self.patch.of(model_config), shapes[PRIMARY_STREAM]
+        return sum(patched_tokens(shapes.get(k, primary), patch) for k in (PRIMARY_STREAM, *self.sequence_latents))
+
+    def with_appended_latents(self, key: str, **changes: Any) -> FamilySpec:
+        """A variant whose pipeline appends the clean latents ``batch[key]`` (a reference image) to the noisy tokens,
+        with its ``build_inputs`` (and name, pipeline) in ``changes``: the cache holds them, their patches are sequence
+        tokens, and the prediction is the first output tokens only (the pipelines' ``noise_pred[:, :latents.size(1)]``:
+        the loss never sees the reference)."""
+        return dataclasses.replace(
+            self,
+            batch_keys=(*self.batch_keys, key),
+            sequence_latents=(*self.sequence_latents, key),
+            unpack_output=functools.partial(_unpack_first_tokens, self.unpack_output, self.patch),
+            **changes,
+        )
 
     # Forward / output --------------------------------------------------------------------------------------------
 
@@ -233,28 +414,14 @@ class FamilySpec:
         sigmas: torch.Tensor | Mapping[str, torch.Tensor],
         *,
         model_config: Mapping[str, Any],
-        cp: bool = False,
     ) -> dict[str, Any]:
-        """Transformer kwargs for one training step (add ``return_dict=False`` when calling).
-
-        With ``cp=True`` and ``text_mask_fed_in_cp=False`` the text mask is replaced by ``None`` (all ones where
-        ``text_mask_required``); since that would let the model attend to padding tokens, the text is first cut to the
-        longest unpadded prompt of the batch (exact for a batch of one; shorter prompts in a larger batch still see some
-        padding).
-        """
+        """Transformer kwargs for one training step, as the family's pipeline builds them (add ``return_dict=False``
+        when calling); the same under context parallelism."""
         noisy = _as_streams(noisy_latents)
         missing = [s for s in self.streams if s not in noisy]
         if missing:
             raise KeyError(f"{self.name}: noisy latents missing for streams {missing}")
-        kwargs = self.build_inputs(batch, noisy, self.model_timesteps(sigmas), model_config=model_config)
-        if cp and not self.text_mask_fed_in_cp and self.text_mask_kwarg is not None:
-            mask = kwargs.get(self.text_mask_kwarg)
-            if mask is not None:
-                kwargs[self.text_kwarg] = trim_text_padding(kwargs[self.text_kwarg], mask)
-            text = kwargs[self.text_kwarg]
-            ones = None if mask is None else mask.new_ones(text.shape[:2])
-            kwargs[self.text_mask_kwarg] = ones if self.text_mask_required else None
-        return kwargs
+        return self.build_inputs(batch, noisy, self.model_timesteps(sigmas), model_config=model_config)
 
     def predictions(
         self,
@@ -282,20 +449,12 @@ def _as_streams(value: torch.Tensor | Mapping[str, torch.Tensor]) -> dict[str, t
     return dict(value)
 
 
-def output_tensors(out: Any) -> tuple[torch.Tensor, ...]:
-    """The tensors of a transformer output (a tensor, a tuple from ``return_dict=False`` or a ``BaseOutput``)."""
-    if isinstance(out, BaseOutput):
-        out = out.to_tuple()
-    if isinstance(out, torch.Tensor):
-        return (out,)
-    return tuple(out)
-
-
-def trim_text_padding(text: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Cut (B, L, D) text to the last position any sample of the batch keeps in its (B, L) key-padding mask."""
-    keep = mask.bool().any(dim=0)
-    length = int(keep.nonzero().max().item()) + 1 if bool(keep.any()) else text.shape[1]
-    return text[:, :length]
+def _unpack_first_tokens(
+    unpack: UnpackOutput, patch: Patch, out: Any, latents_shapes: Shapes, *, model_config: Config
+) -> dict[str, torch.Tensor]:
+    """``unpack`` of the primary latents' tokens, the first of the output sequence (see with_appended_latents)."""
+    tokens = patched_tokens(latents_shapes[PRIMARY_STREAM][1:], patch.of(model_config))
+    return unpack((output_tensors(out)[0][:, :tokens],), latents_shapes, model_config=model_config)
 
 
 def uniform_value(values: torch.Tensor, what: str) -> float:
@@ -308,29 +467,17 @@ def uniform_value(values: torch.Tensor, what: str) -> float:
     return float(flat[0].item())
 
 
-def sigma_identity(sigmas: torch.Tensor) -> torch.Tensor:
-    """``timestep = t / 1000 = sigma`` (Flux, Flux.2, Qwen-Image pass ``timestep / 1000``)."""
-    return sigmas
+def batch_guidance(batch: Batch, latents: torch.Tensor, default: float) -> torch.Tensor:
+    """The (B,) float32 guidance of a guidance-distilled checkpoint: the cache's per-sample ``guidance``, else the
+    pipeline's default scale."""
+    value = batch.get("guidance")
+    if value is None:
+        value = torch.full([1], default, device=latents.device, dtype=torch.float32)
+    return value.to(device=latents.device, dtype=torch.float32).reshape(-1).expand(latents.shape[0])
 
 
-def sigma_times_1000(sigmas: torch.Tensor) -> torch.Tensor:
-    """``timestep = sigma * num_train_timesteps`` in [0, 1000] (Wan, ChronoEdit, LTX-Video)."""
-    return sigmas * 1000.0
-
-
-def one_minus_sigma(sigmas: torch.Tensor) -> torch.Tensor:
-    """``timestep = 1 - sigma`` in [0, 1], 1 = clean (MiniMax-H3)."""
-    return 1.0 - sigmas
-
-
-def patched_tokens(latents_shape: Sequence[int], patch_size: Sequence[int] | int) -> int:
-    """Tokens of one sample's (C, *grid) latents cut into ``patch_size`` patches (one size per grid axis, or one for
-    every axis)."""
-    grid = tuple(latents_shape[1:])
-    patch = (patch_size,) * len(grid) if isinstance(patch_size, int) else tuple(patch_size)
-    if len(patch) != len(grid):
-        raise ValueError(f"patch size {patch} does not fit the latent grid {grid}")
-    tokens = 1
-    for size, p in zip(grid, patch, strict=True):
-        tokens *= int(size) // int(p)
-    return tokens
+def first_frame_condition(batch: Batch, latents: torch.Tensor) -> torch.Tensor:
+    """A ``condition_mask`` (B, 1, F, 1, 1): 1 on latent frame 0, the image an image-to-video pipeline keeps clean."""
+    mask = latents.new_zeros(latents.shape[0], 1, latents.shape[2], 1, 1)
+    mask[:, :, 0] = 1
+    return mask

@@ -17,6 +17,6 @@ with no training counterpart. The loss covers every latent frame, including fram
 
 from .encoder import ChronoEditEncoder as Encoder
 from .spec import SPEC
-from .tiny import TINY_CONFIG, build_tiny
+from .tiny import build_tiny
 
-__all__ = ["SPEC", "TINY_CONFIG", "Encoder", "build_tiny"]
+__all__ = ["SPEC", "Encoder", "build_tiny"]

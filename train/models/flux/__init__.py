@@ -14,6 +14,6 @@ Not covered: FLUX.1 Kontext / Fill / controlnet inputs.
 
 from .encoder import FluxEncoder as Encoder
 from .spec import SPEC
-from .tiny import TINY_CONFIG, build_tiny
+from .tiny import build_tiny
 
-__all__ = ["SPEC", "TINY_CONFIG", "Encoder", "build_tiny"]
+__all__ = ["SPEC", "Encoder", "build_tiny"]

@@ -15,6 +15,6 @@ inference step count in Flux2Pipeline; training uses the pipeline default (50).
 
 from .encoder import Flux2Encoder as Encoder
 from .spec import SPEC
-from .tiny import TINY_CONFIG, build_tiny
+from .tiny import build_tiny
 
-__all__ = ["SPEC", "TINY_CONFIG", "Encoder", "build_tiny"]
+__all__ = ["SPEC", "Encoder", "build_tiny"]

@@ -1,28 +1,14 @@
-"""FLUX.2's tiny transformer config and tiny Flux2Pipeline (a 30-layer Mistral3 of width 8, AutoencoderKLFlux2 with 4
-latent channels)."""
+"""FLUX.2's tiny Flux2Pipeline (a 30-layer Mistral3 of width 8, AutoencoderKLFlux2 with 4 latent channels) around the
+tiny transformer of recipes/tiny/flux2.yaml."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from train.models.tiny import CHARS, HEAD_DIM, NUM_HEADS, TEXT_DIM, WORDS
-
-TINY_CONFIG: dict[str, Any] = dict(
-    patch_size=1,
-    in_channels=16,  # 4 latent channels x the 2x2 patchify of the cache
-    num_layers=1,  # double-stream block
-    num_single_layers=1,  # single-stream (parallel attention + MLP) block
-    attention_head_dim=HEAD_DIM,
-    num_attention_heads=NUM_HEADS,
-    joint_attention_dim=TEXT_DIM,
-    timestep_guidance_channels=32,
-    mlp_ratio=3.0,
-    axes_dims_rope=(2, 2, 2, 2),  # sums to HEAD_DIM
-    guidance_embeds=True,
-)
+from train.models import tiny_config
+from train.models.tiny import CHARS, WORDS, decoder_sizes
 
 
 def flux2_tokenizer(max_length: int = 512):
@@ -67,31 +53,16 @@ def build_tiny(path: Path) -> None:
 
     hidden = 8
     # Flux2Pipeline stacks hidden states 10, 20 and 30 of the Mistral text model: 30 layers, text width 3 x hidden
-    cfg = {**TINY_CONFIG, "joint_attention_dim": 3 * hidden}
+    cfg = {**tiny_config("flux2"), "joint_attention_dim": 3 * hidden}
     z = cfg["in_channels"] // 4  # latents are 2x2-patchified into channels
     tok = flux2_tokenizer()
+    vision = dict(model_type="pixtral", hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                  head_dim=4, patch_size=4, image_size=32)  # fmt: skip
     text_encoder = Mistral3ForConditionalGeneration(
         Mistral3Config(
-            vision_config=dict(
-                model_type="pixtral",
-                hidden_size=8,
-                intermediate_size=16,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                head_dim=4,
-                patch_size=4,
-                image_size=32,
-            ),
-            text_config=dict(
-                model_type="mistral",
-                vocab_size=len(tok),
-                hidden_size=hidden,
-                intermediate_size=16,
-                num_hidden_layers=30,
-                num_attention_heads=2,
-                num_key_value_heads=1,
-                head_dim=4,
-                max_position_embeddings=1024,
+            vision_config=vision,
+            text_config=decoder_sizes(
+                tok, hidden, 30, model_type="mistral", intermediate_size=16, head_dim=4, max_position_embeddings=1024
             ),
             image_token_index=tok.convert_tokens_to_ids("[IMG]"),
             spatial_merge_size=1,

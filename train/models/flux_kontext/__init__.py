@@ -22,6 +22,6 @@ Not covered: ``_auto_resize=False`` (the input image at its own size), IP-Adapte
 
 from .encoder import FluxKontextEncoder as Encoder
 from .spec import SPEC
-from .tiny import TINY_CONFIG, build_tiny
+from .tiny import build_tiny
 
-__all__ = ["SPEC", "TINY_CONFIG", "Encoder", "build_tiny"]
+__all__ = ["SPEC", "Encoder", "build_tiny"]

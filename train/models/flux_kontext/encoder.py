@@ -4,7 +4,6 @@ VAE-encoded exactly as FluxKontextPipeline.__call__ prepares its input image."""
 from __future__ import annotations
 
 import torch
-from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
 from train.data.media import Geometry
 from train.models.encoder import load_reference_image
@@ -14,6 +13,8 @@ from train.models.flux.encoder import FluxEncoder
 def reference_size(width: int, height: int, multiple_of: int) -> tuple[int, int]:
     """(width, height) FluxKontextPipeline.__call__ resizes an input image of this size to (``_auto_resize``, the
     default): the preferred Kontext resolution closest in aspect ratio, floored to ``multiple_of``."""
+    from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+
     aspect_ratio = width / height
     _, width, height = min((abs(aspect_ratio - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
     return width // multiple_of * multiple_of, height // multiple_of * multiple_of

@@ -3,24 +3,17 @@ position ids offset (first coordinate 1), and the prediction cut back to the tar
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 import torch
-from diffusers.pipelines.flux.pipeline_flux_kontext import FluxKontextPipeline
 
+from train.models import Batch, Config, Streams
 from train.models.flux import spec as base
-from train.models.spec import output_tensors, patched_tokens
 
 
-def build_inputs(
-    batch: Mapping[str, Any],
-    noisy_latents: Mapping[str, torch.Tensor],
-    timesteps: Mapping[str, torch.Tensor],
-    *,
-    model_config: Mapping[str, Any],
-) -> dict[str, Any]:
+def build_inputs(batch: Batch, noisy_latents: Streams, timesteps: Streams, *, model_config: Config) -> dict[str, Any]:
+    from diffusers.pipelines.flux.pipeline_flux_kontext import FluxKontextPipeline
+
     kwargs = base.build_inputs(batch, noisy_latents, timesteps, model_config=model_config)
     target = noisy_latents["latents"]
     reference = batch["reference_latents"].to(device=target.device, dtype=target.dtype)  # (B, C, H', W')
@@ -38,28 +31,9 @@ def build_inputs(
     }
 
 
-def unpack_output(
-    out: Any, latents_shapes: Mapping[str, torch.Size], *, model_config: Mapping[str, Any]
-) -> dict[str, torch.Tensor]:
-    # noise_pred[:, : latents.size(1)]: only the target tokens are a prediction (the loss never sees the reference)
-    _, _, height, width = latents_shapes["latents"]
-    target = output_tensors(out)[0][:, : (height // 2) * (width // 2)]
-    return base.unpack_output((target,), latents_shapes, model_config=model_config)
-
-
-def count_tokens(latents_shapes: Mapping[str, tuple[int, ...]], model_config: Mapping[str, Any]) -> int:
-    """Target plus reference tokens (the sequence the transformer runs); the reference counts like the target when
-    its shape is not given (the trainer's throughput passes the noised streams only)."""
-    reference = latents_shapes.get("reference_latents", latents_shapes["latents"])
-    return base.count_tokens(latents_shapes, model_config) + patched_tokens(reference, 2)
-
-
-SPEC = dataclasses.replace(
-    base.SPEC,
+SPEC = base.SPEC.with_appended_latents(
+    "reference_latents",
     name="flux_kontext",
-    pipeline_class="FluxKontextPipeline",
+    classes=base.SPEC.classes._replace(pipeline="FluxKontextPipeline"),
     build_inputs=build_inputs,
-    unpack_output=unpack_output,
-    count_tokens=count_tokens,
-    batch_keys=(*base.SPEC.batch_keys, "reference_latents"),
 )

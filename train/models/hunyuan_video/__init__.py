@@ -14,14 +14,12 @@ latents' dtype), ``pooled_projections``, ``guidance = 1.0 * 1000`` (the distille
 ``spec.GUIDANCE_SCALE``, finetrainers' training value; the pipeline samples at ``guidance_scale=6.0``). Sigmas: the
 scheduler's static shift 7.0.
 
-Context parallelism: forward() builds a [video | text] key mask from the count of kept text tokens; Ulysses orders keys
-rank by rank, so a padded mask would hide the wrong keys. Under CP the text is cut to the longest unpadded prompt of
-the batch and the mask is all ones (``text_mask_fed_in_cp=False``, ``text_mask_required``): exact for a batch of one or
-of prompts with the same token count; in a larger batch a shorter prompt also attends to its padding. The cut text
-must have at least as many tokens as the CP degree (the sharder gives every rank at least one): at CP 8 a prompt of
-fewer than 8 Llama tokens (``<|eot_id|>`` included; an empty, dropped caption is 1) fails. The token
-refiner (``context_embedder``) attends over the whole text on every rank before the split. The refiner's key bias has
-an exactly-zero gradient (:func:`unused_params`).
+Context parallelism: forward() builds one [video | text] key mask over the whole sequence from the count of kept text
+tokens; the plan declares its two segments (``joint_key_mask``) and the CP core reorders its keys into the order the
+ranks hold them (train/cp/masks.py), so padded prompts, prompts of different lengths in one batch and dropped captions
+train exactly as the pipeline-form serial run (tests/test_cp_models.py). The token refiner (``context_embedder``)
+attends over the whole text on every rank before the split. The refiner's key bias has an exactly-zero gradient
+(:func:`unused_params`).
 
 Not covered: image-to-video (HunyuanVideoImageToVideoPipeline, token_replace), FramePack. HunyuanVideo 1.5 is its own
 family (``hunyuan_video15``).
@@ -29,6 +27,6 @@ family (``hunyuan_video15``).
 
 from .encoder import HunyuanVideoEncoder as Encoder
 from .spec import SPEC, unused_params
-from .tiny import TINY_CONFIG, build_tiny
+from .tiny import build_tiny
 
-__all__ = ["SPEC", "TINY_CONFIG", "Encoder", "build_tiny", "unused_params"]
+__all__ = ["SPEC", "Encoder", "build_tiny", "unused_params"]

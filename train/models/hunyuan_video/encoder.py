@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from train.data.media import Geometry
-from train.models.encoder import FamilyEncoder, transformer_patch
+from train.models.encoder import FamilyEncoder
 
 
 def prompt_template(tokenizer: Any) -> dict[str, Any]:
@@ -36,13 +36,8 @@ class HunyuanVideoEncoder(FamilyEncoder):
 
     def _geometry(self, vae_config, tr_config):
         # check_inputs: height and width multiples of 16 (x8 VAE, 2x2 patches); frames 4k + 1
-        patch = transformer_patch(tr_config, "patch_size", 2)
-        patch_t = transformer_patch(tr_config, "patch_size_t", 1)
-        return (
-            vae_config.get("spatial_compression_ratio", 8) * patch,
-            vae_config.get("temporal_compression_ratio", 4) * patch_t,
-            1,
-        )
+        ratios = vae_config.get("spatial_compression_ratio", 8), vae_config.get("temporal_compression_ratio", 4)
+        return self._patched_geometry(*ratios, tr_config)
 
     def encode_text(self, caption, max_tokens):
         embeds, pooled, mask = self.pipe.encode_prompt(

@@ -3,12 +3,12 @@ embeddings, the distilled guidance embedding, and the static flow shift of its s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from train.models.spec import FamilySpec, ShiftSpec, frozen, output_tensors, patched_tokens, sigma_times_1000
+from train.models import Batch, Config, Streams
+from train.models.spec import Classes, FamilySpec, Patch, ShiftSpec, frozen
 
 # hunyuanvideo-community/HunyuanVideo scheduler/scheduler_config.json (relevant keys).
 SCHEDULER_CONFIG = frozen(num_train_timesteps=1000, shift=7.0, use_dynamic_shifting=False)
@@ -20,20 +20,14 @@ SCHEDULER_CONFIG = frozen(num_train_timesteps=1000, shift=7.0, use_dynamic_shift
 GUIDANCE_SCALE = 1.0
 
 
-def unused_params(model_config: Mapping[str, Any]) -> tuple[str, ...]:
+def unused_params(model_config: Config) -> tuple[str, ...]:
     """Regexes (``re.fullmatch`` on parameter names) of the parameters whose gradient is exactly zero: the token
     refiner's key bias. Its attention has no q/k norm, so the bias adds ``q . b`` to every logit of a query alike and
     the softmax cancels it."""
     return (r"context_embedder\.token_refiner\.refiner_blocks\.\d+\.attn\.to_k\.bias",)
 
 
-def build_inputs(
-    batch: Mapping[str, Any],
-    noisy_latents: Mapping[str, torch.Tensor],
-    timesteps: Mapping[str, torch.Tensor],
-    *,
-    model_config: Mapping[str, Any],
-) -> dict[str, Any]:
+def build_inputs(batch: Batch, noisy_latents: Streams, timesteps: Streams, *, model_config: Config) -> dict[str, Any]:
     latents = noisy_latents["latents"]  # (B, C, F, H, W): the pipeline's layout, patchified inside the transformer
     batch_size, dtype = latents.shape[0], latents.dtype
     guidance = batch.get("guidance")
@@ -50,41 +44,14 @@ def build_inputs(
     }
 
 
-def unpack_output(
-    out: Any, latents_shapes: Mapping[str, torch.Size], *, model_config: Mapping[str, Any]
-) -> dict[str, torch.Tensor]:
-    return {"latents": output_tensors(out)[0]}
-
-
-def count_tokens(latents_shapes: Mapping[str, tuple[int, ...]], model_config: Mapping[str, Any]) -> int:
-    p, p_t = int(model_config.get("patch_size", 2)), int(model_config.get("patch_size_t", 1))
-    return patched_tokens(latents_shapes["latents"], (p_t, p, p))
-
-
 SPEC = FamilySpec(
     name="hunyuan_video",
-    transformer_class="HunyuanVideoTransformer3DModel",
-    pipeline_class="HunyuanVideoPipeline",
-    vae_class="AutoencoderKLHunyuanVideo",
+    classes=Classes("HunyuanVideoTransformer3DModel", "HunyuanVideoPipeline", "AutoencoderKLHunyuanVideo"),
     latent_kind="video",
-    # finetrainers' HunyuanVideo LoRA targets: the attention projections of the dual- and single-stream blocks (and
-    # of the token refiner, whose attention uses the same names).
-    lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
-    shift=ShiftSpec(
-        kind="static",
-        scheduler_class="FlowMatchEulerDiscreteScheduler",
-        scheduler_config=SCHEDULER_CONFIG,
-        shift=SCHEDULER_CONFIG["shift"],
-    ),
+    # LoRA: finetrainers' HunyuanVideo targets, the attention projections (the default) of the dual- and single-stream
+    # blocks and of the token refiner, whose attention uses the same names.
+    shift=ShiftSpec.static(SCHEDULER_CONFIG),
     build_inputs=build_inputs,
-    unpack_output=unpack_output,
-    timestep_from_sigma=sigma_times_1000,
-    count_tokens=count_tokens,
+    patch=Patch.time_space(patch_size_t=1, patch_size=2),  # HunyuanVideoTransformer3DModel's defaults
     batch_keys=("latents", "prompt_embeds", "prompt_mask", "pooled_embeds"),
-    # forward() turns the text mask into a [video | text] key mask of the global sequence, which Ulysses' rank-major key
-    # order [video_0 text_0 | video_1 text_1 | ...] does not match; under CP the text is cut to the longest prompt of
-    # the batch and the mask is all ones (exact for a batch of one or prompts of one length).
-    text_mask_fed_in_cp=False,
-    text_mask_required=True,  # forward() calls encoder_attention_mask.sum(): never None
-    text_mask_kwarg="encoder_attention_mask",
 )

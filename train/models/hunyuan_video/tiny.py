@@ -1,33 +1,15 @@
-"""HunyuanVideo's tiny transformer config and tiny HunyuanVideoPipeline: a 3-layer Llama with a byte-level BPE tokenizer
-that adds ``<|begin_of_text|>`` and knows the prompt template's header tokens (as Llama 3's does), a CLIP text encoder
-for the pooled embedding, and AutoencoderKLHunyuanVideo with 4 latent channels at the released x8 spatial / 4k+1
-temporal compression."""
+"""HunyuanVideo's tiny HunyuanVideoPipeline around the tiny transformer of recipes/tiny/hunyuan_video.yaml: a 3-layer
+Llama with a byte-level BPE tokenizer that adds ``<|begin_of_text|>`` and knows the prompt template's header tokens (as
+Llama 3's does), a CLIP text encoder for the pooled embedding, and AutoencoderKLHunyuanVideo with 4 latent channels at
+the released x8 spatial / 4k+1 temporal compression."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from train.models.tiny import HEAD_DIM, NUM_HEADS, TEXT_DIM, byte_bpe_vocab
-
-TINY_CONFIG: dict[str, Any] = dict(
-    in_channels=4,
-    out_channels=4,
-    num_attention_heads=NUM_HEADS,
-    attention_head_dim=HEAD_DIM,
-    num_layers=1,  # dual-stream block
-    num_single_layers=1,  # single-stream block
-    num_refiner_layers=1,  # token refiner block (context_embedder)
-    mlp_ratio=2.0,
-    patch_size=2,
-    patch_size_t=1,
-    qk_norm="rms_norm",
-    guidance_embeds=True,
-    text_embed_dim=TEXT_DIM,
-    pooled_projection_dim=12,
-    rope_theta=256.0,
-    rope_axes_dim=(2, 2, 4),  # sums to HEAD_DIM
-)
+from train.models import tiny_config
+from train.models.tiny import byte_bpe_vocab, clip_text_encoder, clip_tokenizer, decoder_sizes
 
 LLAMA_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 
@@ -54,39 +36,15 @@ def llama_tokenizer():
 def tiny_components() -> dict[str, Any]:
     """HunyuanVideoPipeline's constructor arguments, tiny."""
     from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoTransformer3DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
+    from transformers import LlamaConfig, LlamaModel
 
-    from train.models.flux.tiny import clip_tokenizer
-
-    cfg = TINY_CONFIG
+    cfg = tiny_config("hunyuan_video")
     llama_tok, clip_tok = llama_tokenizer(), clip_tokenizer()
-    llama = LlamaModel(
-        LlamaConfig(
-            vocab_size=len(llama_tok),
-            hidden_size=cfg["text_embed_dim"],
-            intermediate_size=32,
-            num_hidden_layers=3,  # the pipeline reads hidden_states[-3]
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            max_position_embeddings=1024,  # the byte-level template prefix is ~420 tokens
-            bos_token_id=llama_tok.bos_token_id,
-            eos_token_id=llama_tok.eos_token_id,
-            pad_token_id=llama_tok.pad_token_id,
-        )
-    )
-    clip = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(clip_tok),
-            hidden_size=cfg["pooled_projection_dim"],
-            intermediate_size=24,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            max_position_embeddings=77,
-            bos_token_id=0,
-            eos_token_id=1,
-            pad_token_id=1,
-        )
-    )
+    ids = {f"{t}_token_id": getattr(llama_tok, f"{t}_token_id") for t in ("bos", "eos", "pad")}
+    # 3 layers: the pipeline reads hidden_states[-3]; 1024 positions: the byte-level template prefix is ~420 tokens
+    sizes = decoder_sizes(llama_tok, cfg["text_embed_dim"], 3, num_key_value_heads=2, max_position_embeddings=1024)
+    llama = LlamaModel(LlamaConfig(**sizes, **ids))
+    clip = clip_text_encoder(len(clip_tok), cfg["pooled_projection_dim"])
     vae = AutoencoderKLHunyuanVideo(
         latent_channels=cfg["in_channels"],
         block_out_channels=(8, 8, 8, 8),

@@ -26,6 +26,6 @@ meanflow-distilled checkpoints, the super-resolution stage.
 
 from .encoder import HunyuanVideo15Encoder as Encoder
 from .spec import SPEC, unused_params
-from .tiny import TINY_CONFIG, build_tiny
+from .tiny import build_tiny
 
-__all__ = ["SPEC", "TINY_CONFIG", "Encoder", "build_tiny", "unused_params"]
+__all__ = ["SPEC", "Encoder", "build_tiny", "unused_params"]

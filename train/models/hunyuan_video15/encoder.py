@@ -5,7 +5,7 @@ their mask: zeros when the caption quotes nothing)."""
 from __future__ import annotations
 
 from train.data.media import Geometry
-from train.models.encoder import FamilyEncoder, transformer_patch
+from train.models.encoder import FamilyEncoder
 
 
 class HunyuanVideo15Encoder(FamilyEncoder):
@@ -19,13 +19,8 @@ class HunyuanVideo15Encoder(FamilyEncoder):
 
     def _geometry(self, vae_config, tr_config):
         # the video processor's vae_scale_factor (x16 VAE, 1x1 patches); frames 4k + 1
-        patch = transformer_patch(tr_config, "patch_size", 1)
-        patch_t = transformer_patch(tr_config, "patch_size_t", 1)
-        return (
-            vae_config.get("spatial_compression_ratio", 16) * patch,
-            vae_config.get("temporal_compression_ratio", 4) * patch_t,
-            1,
-        )
+        ratios = vae_config.get("spatial_compression_ratio", 16), vae_config.get("temporal_compression_ratio", 4)
+        return self._patched_geometry(*ratios, tr_config)
 
     def encode_text(self, caption, max_tokens):
         pipe = self.pipe

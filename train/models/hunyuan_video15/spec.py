@@ -4,12 +4,12 @@ shift of its scheduler."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from train.models.spec import FamilySpec, ShiftSpec, frozen, output_tensors, patched_tokens, sigma_times_1000
+from train.models import Batch, Config, Streams
+from train.models.spec import Classes, FamilySpec, Patch, ShiftSpec, frozen
 
 # The 480p text-to-video checkpoint's scheduler: FlowMatchEulerDiscreteScheduler with a static shift (the official
 # HunyuanVideo-1.5 sampling shift for 480p; 720p samples at a larger one). A recipe may override train.shift.
@@ -20,7 +20,7 @@ SCHEDULER_CONFIG = frozen(num_train_timesteps=1000, shift=5.0, use_dynamic_shift
 VISION_TOKENS = 729
 
 
-def unused_params(model_config: Mapping[str, Any]) -> tuple[str, ...]:
+def unused_params(model_config: Config) -> tuple[str, ...]:
     """Regexes (``re.fullmatch`` on parameter names) of the parameters whose gradient is exactly zero or never formed
     in text-to-video: the image embedder (forward multiplies its output by 0 when image_embeds are all zero, and masks
     those tokens), the token refiner's key bias (its attention has no q/k norm, so the bias adds ``q . b`` to every
@@ -34,13 +34,7 @@ def unused_params(model_config: Mapping[str, Any]) -> tuple[str, ...]:
     )
 
 
-def build_inputs(
-    batch: Mapping[str, Any],
-    noisy_latents: Mapping[str, torch.Tensor],
-    timesteps: Mapping[str, torch.Tensor],
-    *,
-    model_config: Mapping[str, Any],
-) -> dict[str, Any]:
+def build_inputs(batch: Batch, noisy_latents: Streams, timesteps: Streams, *, model_config: Config) -> dict[str, Any]:
     latents = noisy_latents["latents"]  # (B, C, F, H, W)
     b, _, f, h, w = latents.shape
     dtype, device = latents.dtype, latents.device
@@ -61,37 +55,16 @@ def build_inputs(
     }
 
 
-def unpack_output(
-    out: Any, latents_shapes: Mapping[str, torch.Size], *, model_config: Mapping[str, Any]
-) -> dict[str, torch.Tensor]:
-    return {"latents": output_tensors(out)[0]}
-
-
-def count_tokens(latents_shapes: Mapping[str, tuple[int, ...]], model_config: Mapping[str, Any]) -> int:
-    p, p_t = int(model_config.get("patch_size", 1)), int(model_config.get("patch_size_t", 1))
-    return patched_tokens(latents_shapes["latents"], (p_t, p, p))
-
-
 SPEC = FamilySpec(
     name="hunyuan_video15",
-    transformer_class="HunyuanVideo15Transformer3DModel",
-    pipeline_class="HunyuanVideo15Pipeline",
-    vae_class="AutoencoderKLHunyuanVideo15",
+    classes=Classes("HunyuanVideo15Transformer3DModel", "HunyuanVideo15Pipeline", "AutoencoderKLHunyuanVideo15"),
     latent_kind="video",
-    # the attention projections of the video stream of the dual-stream blocks and of the token refiner (HunyuanVideo's)
-    lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
-    shift=ShiftSpec(
-        kind="static",
-        scheduler_class="FlowMatchEulerDiscreteScheduler",
-        scheduler_config=SCHEDULER_CONFIG,
-        shift=SCHEDULER_CONFIG["shift"],
-    ),
+    # LoRA: the attention projections (the default) of the video stream of the dual-stream blocks and of the token
+    # refiner (HunyuanVideo's)
+    shift=ShiftSpec.static(SCHEDULER_CONFIG),
     build_inputs=build_inputs,
-    unpack_output=unpack_output,
-    timestep_from_sigma=sigma_times_1000,
-    count_tokens=count_tokens,
+    patch=Patch.time_space(patch_size_t=1, patch_size=1),  # HunyuanVideo15Transformer3DModel's defaults
     batch_keys=("latents", "prompt_embeds", "prompt_mask", "byt5_embeds", "byt5_mask"),
     # the padded masks are fed under CP too: cp_plans/hunyuan_video15.yaml swaps in a key-mask processor
     # (train/models/hunyuan_video15/attention.py) whose (B, 1, 1, S) mask Ulysses splits along the keys
-    text_mask_kwarg="encoder_attention_mask",
 )

@@ -1,37 +1,15 @@
-"""HunyuanVideo 1.5's tiny transformer config and tiny HunyuanVideo15Pipeline: a 3-layer Qwen2.5-VL text model with a
-byte-level Qwen2 tokenizer and a ChatML template, a ByT5 (T5 encoder on bytes) for the glyph text, and
-AutoencoderKLHunyuanVideo15 with 4 latent channels at the released x16 spatial / 4k+1 temporal compression."""
+"""HunyuanVideo 1.5's tiny HunyuanVideo15Pipeline around the tiny transformer of recipes/tiny/hunyuan_video15.yaml: a
+3-layer Qwen2.5-VL text model with a byte-level Qwen2 tokenizer and a ChatML template, a ByT5 (T5 encoder on bytes)
+for the glyph text, and AutoencoderKLHunyuanVideo15 with 4 latent channels at the released x16 spatial / 4k+1 temporal
+compression."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from train.models.tiny import HEAD_DIM, NUM_HEADS, TEXT_DIM, qwen_tokenizer
-
-LATENT_CHANNELS = 4
-BYT5_DIM = 12
-
-TINY_CONFIG: dict[str, Any] = dict(
-    in_channels=2 * LATENT_CHANNELS + 1,  # latents | conditioning latents | conditioning mask
-    out_channels=LATENT_CHANNELS,
-    num_attention_heads=NUM_HEADS,
-    attention_head_dim=HEAD_DIM,
-    num_layers=2,  # dual-stream blocks: the second sees the first's text states as keys only
-    num_refiner_layers=1,
-    mlp_ratio=2.0,
-    patch_size=1,
-    patch_size_t=1,
-    qk_norm="rms_norm",
-    text_embed_dim=TEXT_DIM,
-    text_embed_2_dim=BYT5_DIM,
-    image_embed_dim=8,
-    rope_theta=256.0,
-    rope_axes_dim=(2, 2, 4),  # sums to HEAD_DIM
-    target_size=640,
-    task_type="t2v",
-    use_meanflow=False,
-)
+from train.models import tiny_config
+from train.models.tiny import decoder_sizes, qwen25_rope, qwen_tokenizer
 
 # Qwen2.5-VL's chat template, as HunyuanVideo15Pipeline uses it (a system and a user message, text content only).
 CHAT_TEMPLATE = (
@@ -59,22 +37,14 @@ def tiny_components() -> dict[str, Any]:
 
     from train.models.hunyuan_video15.spec import SCHEDULER_CONFIG
 
-    cfg = TINY_CONFIG
+    cfg = tiny_config("hunyuan_video15")
     tok, byt5_tok = qwen_chat_tokenizer(), ByT5Tokenizer()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    # 3 layers: the pipeline reads hidden_states[-3]; 4096 positions: the byte-level template prefix is ~700 tokens,
+    # + 1000 text tokens
+    sizes = decoder_sizes(tok, cfg["text_embed_dim"], 3, max_position_embeddings=4096, rope_parameters=qwen25_rope())
     qwen = Qwen2_5_VLTextModel(
-        Qwen2_5_VLTextConfig(
-            vocab_size=len(tok),
-            hidden_size=cfg["text_embed_dim"],
-            intermediate_size=32,
-            num_hidden_layers=3,  # the pipeline reads hidden_states[-3]
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=4096,  # the byte-level template prefix is ~700 tokens, + 1000 text tokens
-            rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0},
-            bos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
-            eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
-            pad_token_id=tok.pad_token_id,
-        )
+        Qwen2_5_VLTextConfig(**sizes, bos_token_id=end, eos_token_id=end, pad_token_id=tok.pad_token_id)
     )
     byt5 = T5EncoderModel(
         T5Config(
@@ -91,7 +61,7 @@ def tiny_components() -> dict[str, Any]:
         )
     )
     vae = AutoencoderKLHunyuanVideo15(
-        latent_channels=LATENT_CHANNELS,
+        latent_channels=cfg["out_channels"],
         block_out_channels=(8, 8, 8, 8, 8),
         layers_per_block=1,
         scaling_factor=0.75,  # the released 1.03682 is close to 1; any other value shows a missing scaling

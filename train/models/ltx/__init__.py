@@ -17,6 +17,6 @@ Image-to-video (LTXImageToVideoPipeline) is the ``ltx_i2v`` family. Not covered:
 
 from .encoder import LTXEncoder as Encoder
 from .spec import SPEC
-from .tiny import TINY_CONFIG, build_tiny
+from .tiny import build_tiny
 
-__all__ = ["SPEC", "TINY_CONFIG", "Encoder", "build_tiny"]
+__all__ = ["SPEC", "Encoder", "build_tiny"]

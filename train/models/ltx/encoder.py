@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from train.data.media import Geometry
-from train.models.encoder import FamilyEncoder, transformer_patch
+from train.models.encoder import FamilyEncoder
 
 from .spec import FRAME_RATE
 
@@ -21,9 +21,7 @@ class LTXEncoder(FamilyEncoder):
         scaling = vae_config.get("spatio_temporal_scaling", (True, True, True, False))
         spatial = vae_config.get("spatial_compression_ratio") or vae_config.get("patch_size", 4) * 2 ** sum(scaling)
         temporal = vae_config.get("temporal_compression_ratio") or vae_config.get("patch_size_t", 1) * 2 ** sum(scaling)
-        spatial *= transformer_patch(tr_config, "patch_size", 1)
-        temporal *= transformer_patch(tr_config, "patch_size_t", 1)
-        return spatial, temporal, 1
+        return self._patched_geometry(spatial, temporal, tr_config)
 
     def encode_text(self, caption, max_tokens):
         embeds, mask = self.pipe._get_t5_prompt_embeds(

@@ -2,51 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from diffusers.pipelines.ltx.pipeline_ltx import LTXPipeline, calculate_shift
 
-from train.models.spec import (
-    FamilySpec,
-    ShiftSpec,
-    frozen,
-    output_tensors,
-    patched_tokens,
-    sigma_times_1000,
-    uniform_value,
-)
-
-# Lightricks/LTX-Video (0.9.1) scheduler/scheduler_config.json (relevant keys).
-SCHEDULER_CONFIG = frozen(
-    num_train_timesteps=1000,
-    shift=1.0,
-    use_dynamic_shifting=True,
-    base_shift=0.95,
-    max_shift=2.05,
-    base_image_seq_len=1024,
-    max_image_seq_len=4096,
-    shift_terminal=0.1,
-)
+from train.models import Batch, Config, Shapes, Streams
+from train.models.spec import Classes, FamilySpec, Patch, ShiftSpec, output_tensors, uniform_value
 
 # LTXPipeline defaults: AutoencoderKLLTXVideo compression ratios and `frame_rate`.
 VAE_SPATIAL_COMPRESSION = 32
 VAE_TEMPORAL_COMPRESSION = 8
 FRAME_RATE = 25
 
-
-def _patch_sizes(model_config: Mapping[str, Any]) -> tuple[int, int]:
-    return int(model_config.get("patch_size", 1)), int(model_config.get("patch_size_t", 1))
+PATCH = Patch.time_space(patch_size_t=1, patch_size=1)  # LTXVideoTransformer3DModel's defaults
 
 
-def build_inputs(
-    batch: Mapping[str, Any],
-    noisy_latents: Mapping[str, torch.Tensor],
-    timesteps: Mapping[str, torch.Tensor],
-    *,
-    model_config: Mapping[str, Any],
-) -> dict[str, Any]:
+def _patch_sizes(model_config: Config) -> tuple[int, int]:
+    patch_size_t, patch_size, _ = PATCH.of(model_config)
+    return patch_size, patch_size_t
+
+
+def build_inputs(batch: Batch, noisy_latents: Streams, timesteps: Streams, *, model_config: Config) -> dict[str, Any]:
+    from diffusers.pipelines.ltx.pipeline_ltx import LTXPipeline
+
     latents = noisy_latents["latents"]
     _, _, frames, height, width = latents.shape
     patch_size, patch_size_t = _patch_sizes(model_config)
@@ -69,9 +48,9 @@ def build_inputs(
     }
 
 
-def unpack_output(
-    out: Any, latents_shapes: Mapping[str, torch.Size], *, model_config: Mapping[str, Any]
-) -> dict[str, torch.Tensor]:
+def unpack_output(out: Any, latents_shapes: Shapes, *, model_config: Config) -> dict[str, torch.Tensor]:
+    from diffusers.pipelines.ltx.pipeline_ltx import LTXPipeline
+
     _, _, frames, height, width = latents_shapes["latents"]
     patch_size, patch_size_t = _patch_sizes(model_config)
     pred = LTXPipeline._unpack_latents(
@@ -90,25 +69,24 @@ def shift_seq_len(latents_shape: Sequence[int]) -> int:
     return frames * height * width  # LTXPipeline: latent_num_frames * latent_height * latent_width
 
 
-def count_tokens(latents_shapes: Mapping[str, tuple[int, ...]], model_config: Mapping[str, Any]) -> int:
-    patch_size, patch_size_t = _patch_sizes(model_config)
-    return patched_tokens(latents_shapes["latents"], (patch_size_t, patch_size, patch_size))
-
-
 SPEC = FamilySpec(
     name="ltx",
-    transformer_class="LTXVideoTransformer3DModel",
-    pipeline_class="LTXPipeline",
-    vae_class="AutoencoderKLLTXVideo",
+    classes=Classes("LTXVideoTransformer3DModel", "LTXPipeline", "AutoencoderKLLTXVideo"),
     latent_kind="video",
-    # Self- and cross-attention projections (`attn1` / `attn2`), as the diffusers/finetrainers LTX LoRA recipes.
-    lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
-    shift=ShiftSpec.linear_mu(SCHEDULER_CONFIG, calculate_shift),
+    # Lightricks/LTX-Video (0.9.1) scheduler/scheduler_config.json (relevant keys): the FlowMatchEulerDiscreteScheduler
+    # defaults but these, dynamic shifting
+    shift=ShiftSpec.linear_mu(
+        "diffusers.pipelines.ltx.pipeline_ltx",
+        base_shift=0.95,
+        max_shift=2.05,
+        base_image_seq_len=1024,
+        shift_terminal=0.1,
+    ),
     build_inputs=build_inputs,
     unpack_output=unpack_output,
-    timestep_from_sigma=sigma_times_1000,
-    count_tokens=count_tokens,
+    patch=PATCH,
     shift_seq_len=shift_seq_len,
     batch_keys=("latents", "prompt_embeds", "prompt_mask"),
-    text_mask_kwarg="encoder_attention_mask",
+    # The defaults: LoRA on the attention projections of self- and cross-attention (`attn1` / `attn2`), as the
+    # diffusers/finetrainers LTX LoRA recipes; timestep sigma * 1000.
 )

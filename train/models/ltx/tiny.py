@@ -1,5 +1,5 @@
-"""LTX-Video's tiny transformer config and tiny LTXPipeline (T5 text encoder, AutoencoderKLLTXVideo with 8 latent
-channels and the released x32 spatial / 8k+1 temporal compression)."""
+"""LTX-Video's tiny LTXPipeline (T5 text encoder, AutoencoderKLLTXVideo with 8 latent channels and the released x32
+spatial / 8k+1 temporal compression) around the tiny transformer of recipes/tiny/ltx.yaml."""
 
 from __future__ import annotations
 
@@ -8,20 +8,8 @@ from typing import Any
 
 import torch
 
-from train.models.tiny import HEAD_DIM, INNER_DIM, NUM_HEADS, TEXT_DIM, t5_encoder, t5_tokenizer
-
-TINY_CONFIG: dict[str, Any] = dict(
-    in_channels=8,
-    out_channels=8,
-    patch_size=1,
-    patch_size_t=1,
-    num_attention_heads=NUM_HEADS,
-    attention_head_dim=HEAD_DIM,
-    cross_attention_dim=INNER_DIM,  # cross-attention K/V come from caption_projection (-> inner dim)
-    num_layers=2,
-    caption_channels=TEXT_DIM,
-    qk_norm="rms_norm_across_heads",
-)
+from train.models import tiny_config
+from train.models.tiny import t5_encoder, t5_tokenizer
 
 
 def build_tiny(path: Path) -> None:
@@ -30,11 +18,13 @@ def build_tiny(path: Path) -> None:
     LTXPipeline(**tiny_components()).save_pretrained(path)
 
 
-def tiny_components() -> dict[str, Any]:
-    """The tiny pipeline's components (LTX image-to-video's pipeline takes the same ones)."""
+def tiny_components(name: str = "ltx") -> dict[str, Any]:
+    """The tiny pipeline's components around the tiny transformer of family ``name`` (LTX image-to-video's pipeline
+    takes the same ones)."""
     from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXVideoTransformer3DModel
 
-    z = TINY_CONFIG["in_channels"]
+    config = tiny_config(name)
+    z = config["in_channels"]
     vae = AutoencoderKLLTXVideo(
         latent_channels=z,
         block_out_channels=(8, 8, 8, 8),
@@ -57,5 +47,5 @@ def tiny_components() -> dict[str, Any]:
         vae=vae,
         text_encoder=t5_encoder(len(tok)),
         tokenizer=tok,
-        transformer=LTXVideoTransformer3DModel(**TINY_CONFIG),
+        transformer=LTXVideoTransformer3DModel(**config),
     )

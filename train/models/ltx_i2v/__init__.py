@@ -18,6 +18,6 @@ other than the first, or on videos); the pipeline's ``decode_timestep`` / noise 
 
 from .encoder import LTXImageToVideoEncoder as Encoder
 from .spec import SPEC
-from .tiny import TINY_CONFIG, build_tiny
+from .tiny import build_tiny
 
-__all__ = ["SPEC", "TINY_CONFIG", "Encoder", "build_tiny"]
+__all__ = ["SPEC", "Encoder", "build_tiny"]

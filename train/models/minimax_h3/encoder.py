@@ -3,43 +3,19 @@ the modular pipeline's own components, helpers and blocks."""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from train.data.media import Geometry
-from train.models.encoder import FamilyEncoder, transformer_patch
-
-
-@functools.cache
-def _text_only_qwen3vl_processor_class() -> type:
-    from transformers import Qwen3VLProcessor
-
-    class Qwen3VLTextOnlyProcessor(Qwen3VLProcessor):
-        """Qwen3VLProcessor without its video processor (transformers builds that one only with torchvision)."""
-
-        def check_argument_for_proper_class(self, argument_name, argument):
-            if argument_name == "video_processor" and argument is None:
-                return None
-            return super().check_argument_for_proper_class(argument_name, argument)
-
-    return Qwen3VLTextOnlyProcessor
+from train.models.encoder import FamilyEncoder, load_processor_without_video, transformer_patch
 
 
 def load_qwen3vl_processor_without_torchvision(path: str, subfolder: str = "processor", revision: str | None = None):
     """The checkpoint's Qwen3VLProcessor (its tokenizer and image processor, read from its own files) less the video
     processor, for machines without torchvision, where transformers cannot build Qwen3VLVideoProcessor. MiniMax-H3's
     text-only (t2va) encoding uses the processor for `create_mm_token_type_ids` alone, which reads token ids only."""
-    from transformers import AutoImageProcessor, AutoTokenizer
-
-    kw = {"subfolder": subfolder, "revision": revision}
-    cls = _text_only_qwen3vl_processor_class()
-    return cls(
-        image_processor=AutoImageProcessor.from_pretrained(path, **kw),
-        tokenizer=AutoTokenizer.from_pretrained(path, **kw),
-        video_processor=None,
-    )
+    return load_processor_without_video("Qwen3VLProcessor", path, subfolder, revision)
 
 
 class MiniMaxH3Encoder(FamilyEncoder):

@@ -7,21 +7,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from diffusers.modular_pipelines.minimax_h3.before_denoise import (
-    MiniMaxH3PrepareLayoutStep,
-    MiniMaxH3SetTimestepsStep,
-    patchify_video_latents,
-)
-from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
-    MINIMAX_H3_AUDIO_CHANNELS,
-    MINIMAX_H3_AUDIO_TAG,
-    MINIMAX_H3_TEXT_TAG,
-    MINIMAX_H3_VIDEO_TAG,
-)
-from diffusers.utils.torch_utils import maybe_adjust_dtype_for_device
 
+from train.models import Batch, Config, Shapes, Streams
 from train.models.spec import (
+    Classes,
     FamilySpec,
+    Patch,
     ShiftSpec,
     frozen,
     one_minus_sigma,
@@ -35,14 +26,13 @@ VIDEO_SCHEDULER_CONFIG = frozen(shift=12.0)
 AUDIO_SCHEDULER_CONFIG = frozen(shift=3.0)
 # MiniMaxH3ModularPipeline.keyframe_noise_aug: the `t` conditioning rows are held at.
 KEYFRAME_NOISE_AUG = 0.999
+PATCH = Patch("patch_size", frozen(patch_size=(1, 2, 2)))  # MiniMaxH3Transformer3DModel's default
 
 
-def _patch_size(model_config: Mapping[str, Any]) -> tuple[int, int, int]:
-    return tuple(int(p) for p in model_config.get("patch_size", (1, 2, 2)))
-
-
-def _text(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+def _text(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """Text rows (B, L, D) and their (L,) modality tags, with padding a ``prompt_mask`` marks removed."""
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MINIMAX_H3_TEXT_TAG
+
     text = batch["prompt_embeds"]
     tags = batch.get("text_token_tags")
     tags = torch.full(text.shape[1:2], MINIMAX_H3_TEXT_TAG, dtype=torch.long) if tags is None else tags
@@ -86,20 +76,26 @@ def unpatchify_video(rows: torch.Tensor, shape: Sequence[int], patch_size: tuple
     return rows.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(batch_size, channels, frames, height, width)
 
 
-def build_inputs(
-    batch: Mapping[str, Any],
-    noisy_latents: Mapping[str, torch.Tensor],
-    timesteps: Mapping[str, torch.Tensor],
-    *,
-    model_config: Mapping[str, Any],
-) -> dict[str, Any]:
+def build_inputs(batch: Batch, noisy_latents: Streams, timesteps: Streams, *, model_config: Config) -> dict[str, Any]:
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import (
+        MiniMaxH3PrepareLayoutStep,
+        MiniMaxH3SetTimestepsStep,
+        patchify_video_latents,
+    )
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
+        MINIMAX_H3_AUDIO_CHANNELS,
+        MINIMAX_H3_AUDIO_TAG,
+        MINIMAX_H3_VIDEO_TAG,
+    )
+    from diffusers.utils.torch_utils import maybe_adjust_dtype_for_device
+
     video = noisy_latents["latents"]
     audio = noisy_latents["audio_latents"]
     batch_size, _, frames, height, width = video.shape
     audio_channels, num_audio_latents = audio.shape[1], audio.shape[3]
     if audio_channels != MINIMAX_H3_AUDIO_CHANNELS:
         raise ValueError(f"audio_latents must hold {MINIMAX_H3_AUDIO_CHANNELS} channels, got {tuple(audio.shape)}")
-    patch_size = _patch_size(model_config)
+    patch_size = PATCH.of(model_config)
     video_rows_dim = video.shape[1] * math.prod(patch_size)
     device = video.device
     text, text_tags = _text(batch)
@@ -144,48 +140,32 @@ def build_inputs(
     }
 
 
-def unpack_output(
-    out: Any, latents_shapes: Mapping[str, torch.Size], *, model_config: Mapping[str, Any]
-) -> dict[str, torch.Tensor]:
+def unpack_output(out: Any, latents_shapes: Shapes, *, model_config: Config) -> dict[str, torch.Tensor]:
     video_rows, audio_rows = output_tensors(out)[:2]
     return {
-        "latents": unpatchify_video(video_rows, latents_shapes["latents"], _patch_size(model_config)),
+        "latents": unpatchify_video(video_rows, latents_shapes["latents"], PATCH.of(model_config)),
         "audio_latents": unpack_audio(audio_rows, latents_shapes["audio_latents"][-1]),
     }
 
 
-def count_tokens(latents_shapes: Mapping[str, tuple[int, ...]], model_config: Mapping[str, Any]) -> int:
+def count_tokens(latents_shapes: Mapping[str, tuple[int, ...]], model_config: Config) -> int:
     """Video rows after the patch plus audio rows (one per stereo channel and audio latent), per sample."""
     audio_channels, _, num_audio_latents = latents_shapes["audio_latents"]
-    return patched_tokens(latents_shapes["latents"], _patch_size(model_config)) + audio_channels * num_audio_latents
+    return patched_tokens(latents_shapes["latents"], PATCH.of(model_config)) + audio_channels * num_audio_latents
 
 
 SPEC = FamilySpec(
     name="minimax_h3",
-    transformer_class="MiniMaxH3Transformer3DModel",
-    pipeline_class="MiniMaxH3ModularPipeline",
-    vae_class="AutoencoderKLMiniMaxH3",
+    classes=Classes("MiniMaxH3Transformer3DModel", "MiniMaxH3ModularPipeline", "AutoencoderKLMiniMaxH3"),
     latent_kind="video",
-    # Attention projections of the main blocks and of the text token refiner.
-    lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
-    shift=ShiftSpec(
-        kind="static",
-        scheduler_class="MiniMaxH3Scheduler",
-        scheduler_config=VIDEO_SCHEDULER_CONFIG,
-        shift=VIDEO_SCHEDULER_CONFIG["shift"],
-    ),
-    extra_streams=frozen(
-        audio_latents=ShiftSpec(
-            kind="static",
-            scheduler_class="MiniMaxH3Scheduler",
-            scheduler_config=AUDIO_SCHEDULER_CONFIG,
-            shift=AUDIO_SCHEDULER_CONFIG["shift"],
-        )
-    ),
+    # LoRA: the attention projections (the default) of the main blocks and of the text token refiner.
+    shift=ShiftSpec.static(VIDEO_SCHEDULER_CONFIG, "MiniMaxH3Scheduler"),
+    extra_streams=frozen(audio_latents=ShiftSpec.static(AUDIO_SCHEDULER_CONFIG, "MiniMaxH3Scheduler")),
     build_inputs=build_inputs,
     unpack_output=unpack_output,
     timestep_from_sigma=one_minus_sigma,
-    count_tokens=count_tokens,
+    patch=PATCH,
+    count_tokens=count_tokens,  # video patches + audio rows
     batch_keys=("latents", "audio_latents", "prompt_embeds"),
     shared_timestep=True,
     shared_text_length=True,

@@ -1,4 +1,4 @@
-"""MiniMax-H3's tiny transformer config and tiny modular pipeline folder.
+"""MiniMax-H3's tiny modular pipeline folder, around the tiny transformer of recipes/tiny/minimax_h3.yaml.
 
 MiniMax-H3 is modular only: the folder is what `MiniMaxH3ModularPipeline.save_pretrained` writes
 (modular_model_index.json + one subfolder per component), with the released latent channel counts (video 24, audio
@@ -11,29 +11,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
-from train.models.tiny import HEAD_DIM, NUM_HEADS, TEXT_DIM, qwen_tokenizer
-
-# num_attention_heads * attention_head_dim (56) differs from hidden_size (48), as in the real checkpoint, and the rope
-# rotates 2 * 3 * rope_freq_dim = 6 of the 8 head channels (partial-rotary path exercised). Latent channels are the
-# released 24 video / 32 audio ones (the pipeline's blocks assume them).
-TINY_CONFIG: dict[str, Any] = dict(
-    num_attention_heads=NUM_HEADS,
-    attention_head_dim=HEAD_DIM,
-    hidden_size=48,
-    num_layers=1,  # main AdaLN block
-    num_refiner_layers=1,  # text token-refiner block
-    ffn_dim=32,
-    in_channels=24,
-    audio_in_channels=32,
-    patch_size=(1, 2, 2),
-    text_dim=TEXT_DIM,
-    freq_dim=16,
-    time_embed_hidden_dim=32,
-    time_embed_dim=24,
-    rope_freq_dim=1,
-)
+from train.models import tiny_config
+from train.models.tiny import decoder_sizes, qwen_tokenizer
 
 QWEN3VL_SPECIALS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
                     "<|video_pad|>")  # fmt: skip
@@ -73,21 +53,12 @@ def qwen3vl_text_encoder(tokenizer, text_dim: int):
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     special = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN3VL_SPECIALS}
-    text_config = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=text_dim,
-        intermediate_size=32,
-        # MiniMaxH3ModularPipeline.text_encoder_layer is 50 (a property, not a config value) and
-        # get_qwen3vl_prompt_embeds refuses a model of <= 50 decoder layers
-        num_hidden_layers=51,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        max_position_embeddings=2048,
-        rope_parameters=dict(rope_type="default", mrope_section=[2, 1, 1], mrope_interleaved=True, rope_theta=1e4),
-        bos_token_id=special["<|im_end|>"],
-        eos_token_id=special["<|im_end|>"],
-    )
+    rope = dict(rope_type="default", mrope_section=[2, 1, 1], mrope_interleaved=True, rope_theta=1e4)
+    end = special["<|im_end|>"]
+    # 51 layers: MiniMaxH3ModularPipeline.text_encoder_layer is 50 (a property, not a config value) and
+    # get_qwen3vl_prompt_embeds refuses a model of <= 50 decoder layers
+    text_config = decoder_sizes(tokenizer, text_dim, 51, head_dim=8, rope_parameters=rope, bos_token_id=end,
+                                eos_token_id=end)  # fmt: skip
     vision_config = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text_dim,
                          patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0])  # fmt: skip
     return Qwen3VLForConditionalGeneration(
@@ -144,7 +115,7 @@ def audio_vae(za: int):
 def build_tiny(path: Path) -> None:
     from diffusers import MiniMaxH3ModularPipeline, MiniMaxH3Scheduler, MiniMaxH3Transformer3DModel
 
-    cfg = TINY_CONFIG
+    cfg = tiny_config("minimax_h3")
     tok = qwen3vl_tokenizer()
     pipe = MiniMaxH3ModularPipeline()
     pipe.update_components(

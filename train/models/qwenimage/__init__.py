@@ -19,6 +19,6 @@ Not covered: Qwen-Image-Edit (reference-image latents, zero_cond_t).
 
 from .encoder import QwenImageEncoder as Encoder
 from .spec import SPEC, unused_params
-from .tiny import TINY_CONFIG, build_tiny
+from .tiny import build_tiny
 
-__all__ = ["SPEC", "TINY_CONFIG", "Encoder", "build_tiny", "unused_params"]
+__all__ = ["SPEC", "Encoder", "build_tiny", "unused_params"]

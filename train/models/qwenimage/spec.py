@@ -2,29 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline, calculate_shift
 
-from train.models.spec import FamilySpec, ShiftSpec, frozen, output_tensors, patched_tokens, sigma_identity
-
-# Qwen/Qwen-Image scheduler/scheduler_config.json (relevant keys).
-SCHEDULER_CONFIG = frozen(
-    num_train_timesteps=1000,
-    shift=1.0,
-    use_dynamic_shifting=True,
-    base_shift=0.5,
-    max_shift=0.9,
-    base_image_seq_len=256,
-    max_image_seq_len=8192,
-    shift_terminal=0.02,
-    time_shift_type="exponential",
-)
+from train.models import Batch, Config, Shapes, Streams
+from train.models.spec import Classes, FamilySpec, Patch, ShiftSpec, output_tensors, sigma_identity
 
 
-def unused_params(model_config: Mapping[str, Any]) -> tuple[str, ...]:
+def unused_params(model_config: Config) -> tuple[str, ...]:
     """Regexes (``re.fullmatch`` on parameter names) of the parameters the forward never uses: the last block's text
     output path (see the package docstring)."""
     last = int(model_config["num_layers"]) - 1
@@ -34,13 +21,9 @@ def unused_params(model_config: Mapping[str, Any]) -> tuple[str, ...]:
     )
 
 
-def build_inputs(
-    batch: Mapping[str, Any],
-    noisy_latents: Mapping[str, torch.Tensor],
-    timesteps: Mapping[str, torch.Tensor],
-    *,
-    model_config: Mapping[str, Any],
-) -> dict[str, Any]:
+def build_inputs(batch: Batch, noisy_latents: Streams, timesteps: Streams, *, model_config: Config) -> dict[str, Any]:
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
+
     latents = noisy_latents["latents"]  # (B, C, 1, H, W)
     batch_size, channels, _, height, width = latents.shape
     mask = batch.get("prompt_mask")
@@ -61,9 +44,9 @@ def build_inputs(
     }
 
 
-def unpack_output(
-    out: Any, latents_shapes: Mapping[str, torch.Size], *, model_config: Mapping[str, Any]
-) -> dict[str, torch.Tensor]:
+def unpack_output(out: Any, latents_shapes: Shapes, *, model_config: Config) -> dict[str, torch.Tensor]:
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
+
     *_, height, width = latents_shapes["latents"]
     # vae_scale_factor=1: height/width are given in latent pixels. Returns (B, C, 1, H, W).
     return {"latents": QwenImagePipeline._unpack_latents(output_tensors(out)[0].contiguous(), height, width, 1)}
@@ -74,25 +57,25 @@ def shift_seq_len(latents_shape: Sequence[int]) -> int:
     return (height // 2) * (width // 2)
 
 
-def count_tokens(latents_shapes: Mapping[str, tuple[int, ...]], model_config: Mapping[str, Any]) -> int:
-    return patched_tokens(latents_shapes["latents"], (1, 2, 2))  # (1, H, W) grid, 2x2 packing
-
-
 SPEC = FamilySpec(
     name="qwenimage",
-    transformer_class="QwenImageTransformer2DModel",
-    pipeline_class="QwenImagePipeline",
-    vae_class="AutoencoderKLQwenImage",
+    classes=Classes("QwenImageTransformer2DModel", "QwenImagePipeline", "AutoencoderKLQwenImage"),
     latent_kind="image",
     # train_dreambooth_lora_qwen_image.py default `--lora_layers`.
     lora_targets=("to_k", "to_q", "to_v", "to_out.0"),
-    shift=ShiftSpec.linear_mu(SCHEDULER_CONFIG, calculate_shift),
+    # Qwen/Qwen-Image scheduler/scheduler_config.json (relevant keys): the FlowMatchEulerDiscreteScheduler defaults but
+    # these, dynamic shifting
+    shift=ShiftSpec.linear_mu(
+        "diffusers.pipelines.qwenimage.pipeline_qwenimage",
+        max_shift=0.9,
+        max_image_seq_len=8192,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
+    ),
     build_inputs=build_inputs,
     unpack_output=unpack_output,
     timestep_from_sigma=sigma_identity,
-    count_tokens=count_tokens,
+    patch=Patch((1, 2, 2)),  # the (1, H, W) grid, packed 2x2
     shift_seq_len=shift_seq_len,
     batch_keys=("latents", "prompt_embeds", "prompt_mask"),
-    text_mask_fed_in_cp=True,  # a (B, 1, 1, S) joint mask, broadcast over heads: Ulysses can shard it
-    text_mask_kwarg="encoder_hidden_states_mask",
 )

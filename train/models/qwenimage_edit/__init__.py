@@ -28,6 +28,6 @@ from train.models.qwenimage import unused_params  # the same transformer: the sa
 
 from .encoder import QwenImageEditEncoder as Encoder
 from .spec import SPEC
-from .tiny import TINY_CONFIG, build_tiny
+from .tiny import build_tiny
 
-__all__ = ["SPEC", "TINY_CONFIG", "Encoder", "build_tiny", "unused_params"]
+__all__ = ["SPEC", "Encoder", "build_tiny", "unused_params"]

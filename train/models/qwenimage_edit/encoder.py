@@ -3,46 +3,25 @@ shown to Qwen2.5-VL exactly as QwenImageEditPipeline.__call__ prepares its input
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
-from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 
 from train.data.media import Geometry
-from train.models.encoder import load_reference_image
+from train.models.encoder import load_processor_without_video, load_reference_image
 from train.models.qwenimage.encoder import QwenImageEncoder
+from train.models.spec import PipelineFunction
 
 # QwenImageEditPipeline.__call__: calculate_dimensions(1024 * 1024, width / height) sizes the input image.
 REFERENCE_AREA = 1024 * 1024
-
-
-@functools.cache
-def _processor_class() -> type:
-    from transformers import Qwen2VLProcessor
-
-    class Qwen2VLImageOnlyProcessor(Qwen2VLProcessor):
-        """Qwen2VLProcessor without its video processor (transformers builds that one only with torchvision)."""
-
-        def check_argument_for_proper_class(self, argument_name, argument):
-            if argument_name == "video_processor" and argument is None:
-                return None
-            return super().check_argument_for_proper_class(argument_name, argument)
-
-    return Qwen2VLImageOnlyProcessor
+# (width, height, None) of about that area at an aspect ratio, multiples of 32: the edit pipeline module's own.
+calculate_dimensions = PipelineFunction("diffusers.pipelines.qwenimage.pipeline_qwenimage_edit", "calculate_dimensions")
 
 
 def load_processor(path: str, subfolder: str = "processor", revision: str | None = None):
-    """The checkpoint's Qwen2VLProcessor (its tokenizer and image processor, from its own files) less the video
-    processor, which QwenImageEditPipeline never uses; loads where torchvision is missing."""
-    from transformers import AutoImageProcessor, AutoTokenizer
-
-    kw = {"subfolder": subfolder, "revision": revision}
-    return _processor_class()(
-        image_processor=AutoImageProcessor.from_pretrained(path, **kw),
-        tokenizer=AutoTokenizer.from_pretrained(path, **kw),
-        video_processor=None,
-    )
+    """The checkpoint's Qwen2VLProcessor less the video processor, which QwenImageEditPipeline never uses; loads where
+    torchvision is missing."""
+    return load_processor_without_video("Qwen2VLProcessor", path, subfolder, revision)
 
 
 class QwenImageEditEncoder(QwenImageEncoder):
@@ -53,7 +32,7 @@ class QwenImageEditEncoder(QwenImageEncoder):
     default_geometry = Geometry("qwenimage_edit", "image", 16)
     needs_reference = True
 
-    def _components(self, pretrained_path, revision):
+    def pipeline_components(self, pretrained_path, revision):
         return {"processor": load_processor(pretrained_path, revision=revision)}
 
     def latent_shapes(self, frames, height, width, fps):

@@ -1,16 +1,15 @@
-"""Qwen-Image-Edit's tiny QwenImageEditPipeline: Qwen-Image's tiny transformer, VAE and Qwen2.5-VL (with its vision
-tower), plus the processor the edit pipeline reads (Qwen2VLImageProcessor + the tokenizer with the vision tokens)."""
+"""Qwen-Image-Edit's tiny QwenImageEditPipeline: Qwen-Image's tiny VAE and Qwen2.5-VL (with its vision tower) around
+the tiny transformer of recipes/tiny/qwenimage_edit.yaml (Qwen-Image's class and size), plus the processor the edit
+pipeline reads (Qwen2VLImageProcessor + the tokenizer with the vision tokens)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
-from train.models.qwenimage.tiny import TINY_CONFIG as QWENIMAGE_TINY_CONFIG
-from train.models.qwenimage.tiny import tiny_qwen25vl, tiny_qwenimage_vae
-
-TINY_CONFIG: dict[str, Any] = dict(QWENIMAGE_TINY_CONFIG)  # the same transformer class and size
+from train.models import tiny_config
+from train.models.qwenimage.tiny import tiny_qwen25vl
+from train.models.tiny import wan_vae
 
 # The tiny processor shrinks every image to at most 4 x 4 merged vision tokens (patch 14, merge 2); the released one
 # allows up to 12845056 pixels.
@@ -23,11 +22,11 @@ def build_tiny(path: Path) -> None:
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline, QwenImageTransformer2DModel
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    cfg = TINY_CONFIG
-    tok, text_encoder = tiny_qwen25vl(SPECIALS)
+    cfg = tiny_config("qwenimage_edit")
+    tok, text_encoder = tiny_qwen25vl(cfg["joint_attention_dim"], SPECIALS)
     pipe = QwenImageEditPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=tiny_qwenimage_vae(cfg["out_channels"]),
+        vae=wan_vae(cfg["out_channels"], "AutoencoderKLQwenImage"),
         text_encoder=text_encoder,
         tokenizer=tok,
         processor=None,  # saved below: Qwen2VLProcessor.save_pretrained needs its video processor (torchvision)

@@ -27,6 +27,6 @@ others is refused.
 
 from .encoder import SkyReelsV2Encoder as Encoder
 from .spec import SPEC
-from .tiny import TINY_CONFIG, build_tiny
+from .tiny import build_tiny
 
-__all__ = ["SPEC", "TINY_CONFIG", "Encoder", "build_tiny"]
+__all__ = ["SPEC", "Encoder", "build_tiny"]

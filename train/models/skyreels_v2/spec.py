@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
 from typing import Any
 
-import torch
+from train.models import Batch, Config, Streams
+from train.models.spec import Classes
+from train.models.wan import spec as wan
 
-from train.models.spec import FamilySpec, ShiftSpec, frozen, output_tensors, patched_tokens, sigma_times_1000
-
-# Skywork/SkyReels-V2-{DF,T2V}-*-Diffusers scheduler/scheduler_config.json (relevant keys): UniPC with flow sigmas. The
-# shift is 8.0, the SkyReels-V2 text-to-video / diffusion-forcing setting of the diffusers docs' examples (5.0 for
-# image-to-video); set model.flow_shift for another.
-SCHEDULER_CONFIG = frozen(
-    num_train_timesteps=1000,
-    prediction_type="flow_prediction",
-    use_flow_sigmas=True,
-    flow_shift=8.0,
-)
 FPS_INDEX = {16: 0}  # the pipelines' `fps_embeds`: 0 for 16 fps, 1 for any other rate (24 is __call__'s default)
 DEFAULT_FPS_INDEX = 1
 
@@ -26,13 +17,7 @@ def fps_index(fps: float) -> int:
     return FPS_INDEX.get(round(fps), DEFAULT_FPS_INDEX)
 
 
-def build_inputs(
-    batch: Mapping[str, Any],
-    noisy_latents: Mapping[str, torch.Tensor],
-    timesteps: Mapping[str, torch.Tensor],
-    *,
-    model_config: Mapping[str, Any],
-) -> dict[str, Any]:
+def build_inputs(batch: Batch, noisy_latents: Streams, timesteps: Streams, *, model_config: Config) -> dict[str, Any]:
     latents, t = noisy_latents["latents"], timesteps["latents"]
     kwargs: dict[str, Any] = {"hidden_states": latents, "encoder_hidden_states": batch["prompt_embeds"]}
     if t.ndim == 1:  # SkyReelsV2Pipeline: one timestep per sample
@@ -58,35 +43,16 @@ def build_inputs(
     return kwargs
 
 
-def unpack_output(
-    out: Any, latents_shapes: Mapping[str, torch.Size], *, model_config: Mapping[str, Any]
-) -> dict[str, torch.Tensor]:
-    return {"latents": output_tensors(out)[0]}
-
-
-def count_tokens(latents_shapes: Mapping[str, tuple[int, ...]], model_config: Mapping[str, Any]) -> int:
-    return patched_tokens(latents_shapes["latents"], model_config["patch_size"])  # (1, 2, 2) patches of (F, H, W)
-
-
-SPEC = FamilySpec(
+# Wan's block (its LoRA targets, patches and output layout) and UMT5 text.
+SPEC = dataclasses.replace(
+    wan.SPEC,
     name="skyreels_v2",
-    transformer_class="SkyReelsV2Transformer3DModel",
-    pipeline_class="SkyReelsV2DiffusionForcingPipeline",
-    vae_class="AutoencoderKLWan",
-    latent_kind="video",
-    # Self- and cross-attention projections (`attn1` / `attn2`), as for Wan (the same block).
-    lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
-    shift=ShiftSpec(
-        kind="static",
-        scheduler_class="UniPCMultistepScheduler",
-        scheduler_config=SCHEDULER_CONFIG,
-        shift=SCHEDULER_CONFIG["flow_shift"],
-    ),
+    classes=Classes("SkyReelsV2Transformer3DModel", "SkyReelsV2DiffusionForcingPipeline", "AutoencoderKLWan"),
+    # Skywork/SkyReels-V2-{DF,T2V}-*-Diffusers: UniPC with flow sigmas. The shift is 8.0, the SkyReels-V2
+    # text-to-video / diffusion-forcing setting of the diffusers docs' examples (5.0 for image-to-video); set
+    # model.flow_shift for another.
+    shift=wan.unipc_flow_shift(8.0),
     build_inputs=build_inputs,
-    unpack_output=unpack_output,
-    timestep_from_sigma=sigma_times_1000,
-    count_tokens=count_tokens,
-    batch_keys=("latents", "prompt_embeds"),
     # Diffusion forcing with SkyReels-V2's non-decreasing noise schedule (later frames at least as noisy); the T2V
     # checkpoints train with train.frame_sigmas: shared.
     frame_sigmas="non_decreasing",

@@ -14,6 +14,6 @@ timesteps). The flow shift is the 480p default (3.0); set ``model.flow_shift`` f
 
 from .encoder import WanEncoder as Encoder
 from .spec import SPEC
-from .tiny import TINY_CONFIG, build_tiny
+from .tiny import build_tiny
 
-__all__ = ["SPEC", "TINY_CONFIG", "Encoder", "build_tiny"]
+__all__ = ["SPEC", "Encoder", "build_tiny"]

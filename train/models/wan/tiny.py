@@ -1,37 +1,40 @@
-"""Wan's tiny transformer config and tiny WanPipeline (UMT5 text encoder, AutoencoderKLWan with 4 latent channels)."""
+"""Wan's tiny WanPipeline (UMT5 text encoder, AutoencoderKLWan with 4 latent channels) around the tiny transformer of
+recipes/tiny/wan.yaml; the text-to-video components the other Wan-architecture families' tiny pipelines share."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from train.models.tiny import HEAD_DIM, NUM_HEADS, TEXT_DIM, t5_tokenizer, umt5_encoder, wan_vae
+from train.models import tiny_config
+from train.models.tiny import t5_tokenizer, umt5_encoder, wan_vae
 
-TINY_CONFIG: dict[str, Any] = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=NUM_HEADS,
-    attention_head_dim=HEAD_DIM,
-    in_channels=4,
-    out_channels=4,
-    text_dim=TEXT_DIM,
-    freq_dim=32,
-    ffn_dim=32,
-    num_layers=2,
-    cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads",
-    rope_max_seq_len=32,
-)
+
+def umt5_text(max_length: int = 64) -> dict[str, Any]:
+    """The ``tokenizer`` and ``text_encoder`` of a Wan pipeline: a T5 tokenizer and a tiny UMT5 encoder."""
+    tok = t5_tokenizer(max_length=max_length)
+    return {"tokenizer": tok, "text_encoder": umt5_encoder(len(tok))}
+
+
+def text_to_video_components(
+    name: str, transformer_class: type | None = None, scheduler: Any = None, vae: Callable[[int], Any] = wan_vae
+) -> dict[str, Any]:
+    """A Wan text-to-video pipeline's constructor arguments around family ``name``'s tiny transformer (default class
+    WanTransformer3DModel): UMT5 text, ``vae(latent channels)``, ``scheduler`` (default a flow-match Euler one at
+    shift 3). Built in the order the weights are drawn: text encoder, VAE, transformer."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+
+    config = tiny_config(name)
+    return dict(
+        **umt5_text(),
+        vae=vae(config["in_channels"]),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0) if scheduler is None else scheduler,
+        transformer=(transformer_class or WanTransformer3DModel)(**config),
+    )
 
 
 def build_tiny(path: Path) -> None:
-    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers import WanPipeline
 
-    tok = t5_tokenizer()
-    pipe = WanPipeline(
-        tokenizer=tok,
-        text_encoder=umt5_encoder(len(tok)),
-        vae=wan_vae(TINY_CONFIG["in_channels"]),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        transformer=WanTransformer3DModel(**TINY_CONFIG),
-    )
-    pipe.save_pretrained(path)
+    WanPipeline(**text_to_video_components("wan")).save_pretrained(path)

@@ -19,6 +19,6 @@ uses 12.0 for T2V-A14B: set ``model.flow_shift``).
 
 from .encoder import Wan22Encoder as Encoder
 from .spec import SPEC
-from .tiny import TINY_CONFIG, build_tiny
+from .tiny import build_tiny
 
-__all__ = ["SPEC", "TINY_CONFIG", "Encoder", "build_tiny"]
+__all__ = ["SPEC", "Encoder", "build_tiny"]

@@ -20,6 +20,6 @@ this spec's inputs and this encoder.
 
 from .encoder import WanI2VEncoder as Encoder
 from .spec import SPEC
-from .tiny import TINY_CONFIG, build_tiny
+from .tiny import build_tiny
 
-__all__ = ["SPEC", "TINY_CONFIG", "Encoder", "build_tiny"]
+__all__ = ["SPEC", "Encoder", "build_tiny"]

@@ -3,22 +3,13 @@ channels (WanImageToVideoPipeline's denoising loop; ChronoEdit reuses it)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
 from typing import Any
 
 import torch
 
-from train.models.spec import FamilySpec, ShiftSpec, frozen, sigma_times_1000
-from train.models.wan.spec import count_tokens, unpack_output  # the same output layout as Wan
-
-# Wan-AI/Wan2.1-I2V-14B-480P-Diffusers scheduler/scheduler_config.json (relevant keys): UniPC with flow sigmas, the
-# 480p flow shift 3.0 (WanImageToVideoPipeline's docs: 5.0 for 720p; set model.flow_shift).
-SCHEDULER_CONFIG = frozen(
-    num_train_timesteps=1000,
-    prediction_type="flow_prediction",
-    use_flow_sigmas=True,
-    flow_shift=3.0,
-)
+from train.models import Batch, Config, Streams
+from train.models.wan import spec as wan
 
 VAE_SCALE_FACTOR_TEMPORAL = 4
 
@@ -35,13 +26,7 @@ def first_frame_mask(latents: torch.Tensor, vae_scale_factor_temporal: int = VAE
     return mask
 
 
-def build_inputs(
-    batch: Mapping[str, Any],
-    noisy_latents: Mapping[str, torch.Tensor],
-    timesteps: Mapping[str, torch.Tensor],
-    *,
-    model_config: Mapping[str, Any],
-) -> dict[str, Any]:
+def build_inputs(batch: Batch, noisy_latents: Streams, timesteps: Streams, *, model_config: Config) -> dict[str, Any]:
     latents = noisy_latents["latents"]
     condition = batch["condition_latents"].to(latents.dtype)
     if condition.shape != latents.shape:
@@ -54,23 +39,13 @@ def build_inputs(
     }
 
 
-SPEC = FamilySpec(
+# Wan-AI/Wan2.1-I2V-14B-480P-Diffusers: Wan's transformer and VAE, LoRA targets (`attn2.add_k_proj` / `add_v_proj`, the
+# image K/V, stay frozen, as in the Wan I2V recipes) and 480p flow shift 3.0 (the pipeline's docs: 5.0 for 720p; set
+# model.flow_shift). The noised latents' tokens are Wan's: the condition channels ride along in the same tokens.
+SPEC = dataclasses.replace(
+    wan.SPEC,
     name="wan_i2v",
-    transformer_class="WanTransformer3DModel",
-    pipeline_class="WanImageToVideoPipeline",
-    vae_class="AutoencoderKLWan",
-    latent_kind="video",
-    # Wan attention projections; `attn2.add_k_proj` / `add_v_proj` (image K/V) stay frozen, as in the Wan I2V recipes.
-    lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
-    shift=ShiftSpec(
-        kind="static",
-        scheduler_class="UniPCMultistepScheduler",
-        scheduler_config=SCHEDULER_CONFIG,
-        shift=SCHEDULER_CONFIG["flow_shift"],
-    ),
+    classes=wan.SPEC.classes._replace(pipeline="WanImageToVideoPipeline"),
     build_inputs=build_inputs,
-    unpack_output=unpack_output,
-    timestep_from_sigma=sigma_times_1000,
-    count_tokens=count_tokens,  # the noised latents' tokens (the condition channels ride along in the same tokens)
     batch_keys=("latents", "prompt_embeds", "condition_latents", "image_embeds"),
 )

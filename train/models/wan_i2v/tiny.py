@@ -1,23 +1,17 @@
-"""Wan 2.1 image-to-video's tiny transformer config and tiny WanImageToVideoPipeline (CLIP vision image encoder)."""
+"""Wan 2.1 image-to-video's tiny WanImageToVideoPipeline (CLIP vision image encoder) around the tiny transformer of
+recipes/tiny/wan_i2v.yaml; ChronoEdit's tiny pipeline takes the same components."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from train.models.tiny import INNER_DIM, t5_tokenizer, umt5_encoder, wan_vae
-from train.models.wan.tiny import TINY_CONFIG as WAN_CONFIG
-
-Z_DIM = 4
-IMAGE_DIM = 12
-# Like the real I2V-14B: image embeddings go through the added K/V projections (projected to the inner dim first). The
-# transformer takes [noisy latents (z), first-frame mask (4), condition latents (z)] and predicts z channels.
-TINY_CONFIG: dict[str, Any] = dict(
-    WAN_CONFIG, in_channels=2 * Z_DIM + 4, out_channels=Z_DIM, image_dim=IMAGE_DIM, added_kv_proj_dim=INNER_DIM
-)
+from train.models import tiny_config
+from train.models.tiny import wan_vae
+from train.models.wan.tiny import umt5_text
 
 
-def clip_image_encoder(image_dim: int = IMAGE_DIM):
+def clip_image_encoder(image_dim: int):
     """A tiny CLIPVisionModel (2 layers, 32 px, 8 px patches: 17 tokens) and its CLIPImageProcessor."""
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
@@ -28,19 +22,26 @@ def clip_image_encoder(image_dim: int = IMAGE_DIM):
     return CLIPVisionModel(config), processor
 
 
-def build_tiny(path: Path) -> None:
-    from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+def image_to_video_components(config: dict[str, Any], transformer_class: type, flow_shift: float) -> dict[str, Any]:
+    """A Wan image-to-video pipeline's constructor arguments: like the real I2V-14B, the transformer takes [noisy
+    latents (z), first-frame mask (4), condition latents (z)] and predicts z = ``out_channels`` channels, and the
+    image embeddings go through its added K/V projections. Text is 512 tokens (the image context follows it)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
-    tok = t5_tokenizer(max_length=512)
-    text_encoder = umt5_encoder(len(tok))
-    image_encoder, image_processor = clip_image_encoder(TINY_CONFIG["image_dim"])
-    pipe = WanImageToVideoPipeline(
-        tokenizer=tok,
-        text_encoder=text_encoder,
+    text = umt5_text(max_length=512)
+    image_encoder, image_processor = clip_image_encoder(config["image_dim"])
+    return dict(
+        **text,
         image_encoder=image_encoder,
         image_processor=image_processor,
-        transformer=WanTransformer3DModel(**TINY_CONFIG),
-        vae=wan_vae(Z_DIM),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        transformer=transformer_class(**config),
+        vae=wan_vae(config["out_channels"]),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=flow_shift),
     )
-    pipe.save_pretrained(path)
+
+
+def build_tiny(path: Path) -> None:
+    from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+
+    components = image_to_video_components(tiny_config("wan_i2v"), WanTransformer3DModel, flow_shift=3.0)
+    WanImageToVideoPipeline(**components).save_pretrained(path)

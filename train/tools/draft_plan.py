@@ -3,11 +3,11 @@ a tiny instance under hooks.
 
 Usage::
 
-    python -m train.cp.draft_plan SkyReelsV2Transformer3DModel -o cp_plans/skyreels_v2.yaml
-    python -m train.cp.draft_plan path/to/model_or_pipeline_folder
-    python -m train.cp.draft_plan MyTransformer3DModel --inputs my_inputs:make_kwargs   # a class with no family
+    python -m train.tools.draft_plan SkyReelsV2Transformer3DModel -o cp_plans/skyreels_v2.yaml
+    python -m train.tools.draft_plan path/to/model_or_pipeline_folder
+    python -m train.tools.draft_plan MyTransformer3DModel --inputs my_inputs:make_kwargs   # a class with no family
 
-How the tiny instance and its inputs are made: train/cp/probe.py. What the draft decides, from what the hooks saw:
+How the tiny instance and its inputs are made: train/tools/probe.py. What the draft decides, from what the hooks saw:
 
 1. The sequence: the first repeated block (the first ModuleList element called) receives ``hidden_states`` of S
    tokens (dim 1). Text is a split stream too when the blocks return it (joint attention: a block output with the
@@ -24,7 +24,7 @@ How the tiny instance and its inputs are made: train/cp/probe.py. What the draft
 
 The YAML's "Why each entry" block says what each hook saw. ``layout_registry: true`` when every attention call in the
 trace attends over a split length or the sum of two (what the layout registry assumes); check_plan verifies it.
-Nothing here is final: run ``python -m train.cp.check_plan`` on the draft.
+Nothing here is final: run ``python -m train.tools.check_plan`` on the draft.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from train.cp.probe import Call, ModelSource, as_outputs, flatten_tensors, resolve_source, trace
 from train.errors import UserError
+from train.tools.probe import Call, ModelSource, as_outputs, flatten_tensors, resolve_source, trace
 
 __all__ = ["Draft", "draft", "main", "settings_diff"]
 
@@ -55,6 +55,7 @@ class Draft:
     sequence: str = ""
     layout_registry: bool = True
     local_attention: list[str] = field(default_factory=list)
+    joint_key_mask: list[str] = field(default_factory=list)  # a whole joint mask's segments (train/cp/masks.py)
     order: dict[str, float] = field(default_factory=dict)  # plan path -> when its module ran (entries in that order)
 
     def add(self, path: str, kind: str, key: Any, dim: int, ndim: int) -> None:
@@ -73,7 +74,7 @@ class Draft:
         lines = [
             f"# CP plan for {src.class_name}, drafted by `{command}`",
             f"# from one forward of a tiny instance ({made}). Format: docs/plans.md.",
-            f"# Check it: python -m train.cp.check_plan <this file> --model {src.target}",
+            f"# Check it: python -m train.tools.check_plan <this file> --model {src.target}",
             "#",
             *_wrap("# Sequence: ", self.sequence),
             "#",
@@ -93,6 +94,8 @@ class Draft:
         ]
         if self.local_attention:
             lines += ["local_attention:", *[f"  - {p}" for p in self.local_attention]]
+        if self.joint_key_mask:
+            lines += ["joint_key_mask:", *[f'  - "{p}"' for p in self.joint_key_mask]]
         lines += ["plan:"]
         for path, entry in sorted(self.plan.items(), key=lambda item: self.order.get(item[0], 0)):
             lines.append(f"  {_key(path)}:")
@@ -140,10 +143,8 @@ def _is_inside(path: str, blocks: list[str]) -> bool:
 
 
 def draft(source: ModelSource, seed: int = 0) -> Draft:
-    """Trace one forward of the tiny model and propose a plan (see the module docstring)."""
-    from diffusers.models.attention import AttentionModuleMixin
-    from diffusers.models.attention_processor import Attention
-
+    """Trace one forward of the tiny model and propose a plan (see the module docstring), one phase at a time; each
+    phase adds its entries, why lines and notes in this order."""
     model = source.build(seed)
     kwargs = source.inputs(seed)
     try:
@@ -152,13 +153,38 @@ def draft(source: ModelSource, seed: int = 0) -> Draft:
         raise UserError(f"{source.class_name}: the tiny forward failed ({type(exc).__name__}: {exc}); pass "
                         "--inputs module:function with inputs that fit this config") from exc  # fmt: skip
     out = Draft(source)
+    seen = _Trace.of(calls, _find_blocks(source, model, calls))
+    _describe_sequence(out, seen)
+    root_split = _split_at_entry(out, seen)
+    split_outputs = _split_block_inputs(out, seen, root_split)
+    _split_producer_outputs(out, seen, split_outputs)
+    _gather_output(out, seen)
+    _local_attention(out, seen)
+    # Entries print in the order their modules ran; a `<blocks>.*` entry right after block 0's own entry.
+    for path in out.plan:
+        concrete = path.replace("*", "0")
+        out.order[path] = calls[concrete].start + (0.5 if "*" in path else 0) if concrete in calls else 0
+    _decide_layout_registry(out, seen)
+    return out
+
+
+def _is_attention(module: torch.nn.Module) -> bool:
+    from diffusers.models.attention import AttentionModuleMixin
+    from diffusers.models.attention_processor import Attention
+
+    return isinstance(module, (Attention, AttentionModuleMixin))
+
+
+def _find_blocks(source: ModelSource, model: torch.nn.Module, calls: dict[str, Call]) -> list[Call]:
+    """The repeated transformer blocks, in call order: ModuleList elements that take a (B, S, C) hidden_states and
+    hold an attention module. The model's own block lists win over nested ones, so the sequence is read where the
+    main stack takes it; with no block at all there is nothing to draft from."""
     lists = {p for p, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)}
     block_calls = sorted((c for c in calls.values() if c.path.rpartition(".")[0] in lists), key=lambda c: c.start)
-    attention = (Attention, AttentionModuleMixin)
     block_calls = [  # repeated transformer blocks: take a (B, S, C) sequence and hold an attention module
         c for c in block_calls
         if torch.is_tensor(c.inputs.get("hidden_states")) and c.inputs["hidden_states"].dim() == 3
-        and any(isinstance(m, attention) for m in c.module.modules())
+        and any(_is_attention(m) for m in c.module.modules())
     ]  # fmt: skip
     top = [c for c in block_calls if "." not in c.path.rpartition(".")[0]]  # the model's own block lists first
     block_calls = top or block_calls
@@ -167,42 +193,78 @@ def draft(source: ModelSource, seed: int = 0) -> Draft:
             f"{source.class_name}: no repeated block (a ModuleList element with attention, taking "
             "(B, S, C) hidden_states) ran in the tiny forward; write the plan by hand (docs/plans.md)"
         )
-    first, root = block_calls[0], calls[""]
-    list_path = first.path.rpartition(".")[0]
-    blocks = [c.path for c in block_calls]
-    last_end = max(c.end for c in block_calls)
-    hidden = first.inputs["hidden_states"]
-    seq = hidden.shape[1]
-    counts = {seq: "token"}
-    text = first.inputs.get("encoder_hidden_states")
-    text_len = text.shape[1] if torch.is_tensor(text) and text.dim() == 3 else None
-    joint = text_len is not None and any(
-        torch.is_tensor(o) and o.dim() == 3 and o.shape[1] == text_len for o in first.outputs
-    )
-    if joint:
-        counts |= {text_len: "text", seq + text_len: "text + token"}
+    return block_calls
+
+
+@dataclass
+class _Trace:
+    """What the phases read from the traced forward: every call, the repeated blocks, and the sequence the first
+    block receives."""
+
+    calls: dict[str, Call]  # module path -> its call ("" is forward() itself)
+    first: Call  # the first block called
+    blocks: list[str]  # every block's path
+    list_path: str  # the ModuleList holding the first block
+    last_end: float  # when the last block returned
+    hidden: torch.Tensor  # the first block's hidden_states: (B, S, C)
+    seq: int  # S
+    text: Any  # the first block's encoder_hidden_states, if any
+    text_len: int | None  # its token count when it is a (B, L, C) sequence
+    joint: bool  # the blocks return the text (joint attention): it is split like the tokens
+    counts: dict[int, str]  # a split length -> what it counts ("token", "text", "text + token")
+    packed: bool  # forward()'s own hidden_states already holds the S tokens
+
+    @property
+    def root(self) -> Call:
+        return self.calls[""]
+
+    @classmethod
+    def of(cls, calls: dict[str, Call], block_calls: list[Call]) -> _Trace:
+        first = block_calls[0]
+        hidden = first.inputs["hidden_states"]
+        seq = hidden.shape[1]
+        counts = {seq: "token"}
+        text = first.inputs.get("encoder_hidden_states")
+        text_len = text.shape[1] if torch.is_tensor(text) and text.dim() == 3 else None
+        joint = text_len is not None and any(
+            torch.is_tensor(o) and o.dim() == 3 and o.shape[1] == text_len for o in first.outputs
+        )
+        if joint:
+            counts |= {text_len: "text", seq + text_len: "text + token"}
+        root_hidden = calls[""].inputs.get("hidden_states")
+        packed = torch.is_tensor(root_hidden) and root_hidden.dim() == 3 and root_hidden.shape[1] == seq
+        blocks = [c.path for c in block_calls]
+        last_end = max(c.end for c in block_calls)
+        list_path = first.path.rpartition(".")[0]
+        return cls(calls, first, blocks, list_path, last_end, hidden, seq, text, text_len, joint, counts, packed)
+
+
+def _describe_sequence(out: Draft, seen: _Trace) -> None:
+    """The "Sequence:" header: the S tokens the first block receives, and whether the text is a split stream (the
+    blocks return it: joint attention) or stays whole on every rank (cross-attention only). Equal token and text
+    counts would make a token dim ambiguous, so they get a note."""
+    first, hidden, seq, text, text_len = seen.first, seen.hidden, seen.seq, seen.text, seen.text_len
     out.sequence = f"{first.path} receives hidden_states {_shape(hidden)}: S = {seq} tokens on dim 1."
     if text_len is not None:
         out.sequence += (
             f" Text encoder_hidden_states {_shape(text)}: the blocks return it (joint attention), so its "
-            f"{text_len} tokens are split too." if joint else
+            f"{text_len} tokens are split too." if seen.joint else
             f" Text encoder_hidden_states {_shape(text)} is cross-attention only (the blocks do not return it): "
             f"left whole on every rank."
         )  # fmt: skip
-    if len(set(counts)) < len(counts) or seq == text_len:
+    if seq == text_len:  # one key of `counts` for both: the token and text dims could not be told apart
         out.notes.append(f"token and text counts coincide ({seq}, {text_len}): re-run with other input shapes")
 
-    root_hidden = root.inputs.get("hidden_states")
-    packed = torch.is_tensor(root_hidden) and root_hidden.dim() == 3 and root_hidden.shape[1] == seq
-    # Producers of the tensors the first block receives: forward() inputs, or outputs of modules run before it.
-    root_ids = {id(t): n for name, v in root.inputs.items() for n, t in flatten_tensors(v, name)}
-    produced: dict[int, tuple[Call, int]] = {}
-    for call in sorted(calls.values(), key=lambda c: (len(c.path), c.start)):  # outermost module first
-        if call.path and not _is_inside(call.path, blocks) and 0 <= call.end < first.start:
-            for i, o in enumerate(call.outputs):
-                if torch.is_tensor(o):
-                    produced.setdefault(id(o), (call, i))
 
+def _split_at_entry(out: Draft, seen: _Trace) -> set[str]:
+    """Where the sequence is formed, and which forward() inputs are split on entry. Packed (forward()'s
+    hidden_states already holds the S tokens): every input with a token dim is split on entry. Patchified in
+    forward(): the first block's hidden_states (and joint text) is split where it is formed, and only inputs with
+    the token count (per-token timesteps) are split on entry, so all forward() derives from them is split too;
+    text is split where the blocks take it. Returns the names of the inputs split on entry."""
+    first, root, hidden, seq, text, counts = seen.first, seen.root, seen.hidden, seen.seq, seen.text, seen.counts
+    packed = seen.packed
+    root_hidden = root.inputs.get("hidden_states")
     root_split: set[str] = set()
     if packed:
         out.sequence += " forward()'s hidden_states already holds the S tokens (packed): split on entry."
@@ -212,7 +274,7 @@ def draft(source: ModelSource, seed: int = 0) -> Draft:
         out.add(first.path, "split_inputs", "hidden_states", 1, hidden.dim())
         out.why.append((f"{first.path} hidden_states", f"{_shape(hidden)} is where the {seq}-token sequence is "
                         "first formed; it flows split through every block to the output"))  # fmt: skip
-        if joint:
+        if seen.joint:
             out.add(first.path, "split_inputs", "encoder_hidden_states", 1, text.dim())
             out.why.append((f"{first.path} encoder_hidden_states",
                             f"{_shape(text)}: joint attention over [text, tokens]: split the text alike"))  # fmt: skip
@@ -231,11 +293,28 @@ def draft(source: ModelSource, seed: int = 0) -> Draft:
             what = "per-token" if packed else "per-token (split at its source, so all it derives is split)"
             out.why.append((f'"" {name}', f"forward() input {_shape(t)}: dim {d} has the {counts[t.shape[d]]} "
                             f"count {t.shape[d]}, {what}"))  # fmt: skip
+    return root_split
 
-    # Tensors the first block receives with a token dim, other than the sequence itself.
+
+def _split_block_inputs(
+    out: Draft, seen: _Trace, root_split: set[str]
+) -> dict[str, dict[int, tuple[int, torch.Tensor]]]:
+    """The other tensors the first block receives with a token dim. A forward() input arrives split already (or gets
+    a note if it was not). One a module before the blocks produced (RoPE cos/sin) is split at that module's output,
+    returned as {path: {output index: (dim, tensor)}}, unless for a packed model re-running the module on split
+    inputs already gives the split length. One forward() builds itself is split at ``<blocks>.*`` (each block
+    splits its whole copy), unless forward() built it from inputs already split on entry."""
+    first, counts, packed = seen.first, seen.counts, seen.packed
+    root_ids = {id(t): n for name, v in seen.root.inputs.items() for n, t in flatten_tensors(v, name)}
+    produced: dict[int, tuple[Call, int]] = {}  # outputs of modules run before the first block, by tensor id
+    for call in sorted(seen.calls.values(), key=lambda c: (len(c.path), c.start)):  # outermost module first
+        if call.path and not _is_inside(call.path, seen.blocks) and 0 <= call.end < first.start:
+            for i, o in enumerate(call.outputs):
+                if torch.is_tensor(o):
+                    produced.setdefault(id(o), (call, i))
     split_outputs: dict[str, dict[int, tuple[int, torch.Tensor]]] = {}
     for name, value in first.inputs.items():
-        if name == "hidden_states" or (joint and name == "encoder_hidden_states"):
+        if name == "hidden_states" or (seen.joint and name == "encoder_hidden_states"):
             continue
         for n, t in flatten_tensors(value, name):
             d = _token_dim(t, counts)
@@ -265,69 +344,103 @@ def draft(source: ModelSource, seed: int = 0) -> Draft:
             if t.dim() >= 2 and sum(s in counts for s in t.shape[1:]) > 1:
                 out.notes.append(f"{first.path} {n} {_shape(t)} has two token dims (a pairwise mask): write by hand")
                 continue
-            out.add(f"{list_path}.*", "split_inputs", name, d, t.dim())
-            out.why.append((f"{list_path}.* {name}", f"{_shape(t)} is built in forward() and handed to every block "
-                            f"with the whole {counts[t.shape[d]]} count on dim {d}: each block splits "
+            if seen.joint and not packed and "mask" in name and t.shape[d] == seen.seq + seen.text_len:
+                _joint_key_mask(out, seen, name, t)
+                continue
+            out.add(f"{seen.list_path}.*", "split_inputs", name, d, t.dim())
+            out.why.append((f"{seen.list_path}.* {name}", f"{_shape(t)} is built in forward() and handed to every "
+                            f"block with the whole {counts[t.shape[d]]} count on dim {d}: each block splits "
                             "its copy"))  # fmt: skip
+    return split_outputs
+
+
+def _joint_key_mask(out: Draft, seen: _Trace, name: str, t: torch.Tensor) -> None:
+    """A mask forward() builds whole over the joint [tokens | text] sequence: split into contiguous chunks it would
+    mask the wrong keys (each rank holds [tokens_r | text_r]); the plan declares its segments instead and the CP core
+    puts its keys in the ranks' order. The segments' model order [tokens | text] is the processors' concatenation
+    order; check_plan compares with the serial run, so a wrong order fails there."""
+    first = seen.first.path
+    out.joint_key_mask = [f"{first}:hidden_states", f"{first}:encoder_hidden_states"]
+    out.why.append((f"joint_key_mask ({name})", f"{_shape(t)} is built in forward() over the whole "
+                    f"{seen.seq} + {seen.text_len} tokens, [tokens | text] in model order: not split; CP reorders "
+                    "its keys into the order the ranks hold them (train/cp/masks.py)"))  # fmt: skip
+
+
+def _split_producer_outputs(
+    out: Draft, seen: _Trace, split_outputs: dict[str, dict[int, tuple[int, torch.Tensor]]]
+) -> None:
+    """Split the outputs `_split_block_inputs` traced to a module before the blocks, one entry per module: they reach
+    the first block with the whole count, so they are cut like the tokens where they are made."""
     for path, outs in split_outputs.items():
         for index, (d, t) in sorted(outs.items()):
             out.add(path, "split_outputs", index, d, t.dim())
         idx = " / ".join(str(i) for i in sorted(outs))
         shapes = ", ".join(_shape(t) for _, t in outs.values())
-        whole = ", ".join(sorted({f"{counts[t.shape[d]]} count on dim {d}" for d, t in outs.values()}))
-        why = f"{shapes} reach {first.path} with the whole {whole}: split them like the tokens"
-        if packed:
+        whole = ", ".join(sorted({f"{seen.counts[t.shape[d]]} count on dim {d}" for d, t in outs.values()}))
+        why = f"{shapes} reach {seen.first.path} with the whole {whole}: split them like the tokens"
+        if seen.packed:
             why += " (re-run on split inputs they keep every row: built from shapes, not from the split inputs)"
         out.why.append((f"{path} outputs {idx}", why))
 
-    # The output: the last module after the blocks whose output carries the sequence.
-    tail = [c for c in calls.values() if c.path and not _is_inside(c.path, blocks) and c.start > last_end]
+
+def _gather_output(out: Draft, seen: _Trace) -> None:
+    """The output: the last module after the blocks whose output holds the S tokens on dim 1 (``proj_out``) is
+    gathered, so the loss sees the whole prediction. When forward() builds per-token tensors itself (a
+    ``<blocks>.*`` entry) and transforms the sequence between the first module after the blocks and the last, the
+    first is gathered instead, so that step runs on whole tensors, and the last one's input is split again, so
+    backward sees only this rank's tokens (gradients stay a SUM)."""
+    seq, blocks = seen.seq, seen.blocks
+    tail = [c for c in seen.calls.values() if c.path and not _is_inside(c.path, blocks) and c.start > seen.last_end]
     tail = [c for c in tail if any(torch.is_tensor(o) and _token_dim(o, {seq: "token"}) == 1 for o in c.outputs)]
     if not tail:
         out.notes.append("no module after the blocks outputs the token sequence: add a gather by hand")
-    else:
-        last = max(tail, key=lambda c: c.end)
-        o = last.outputs
-        if len(o) != 1:
-            out.notes.append(f"{last.path} has {len(o)} outputs: gather drafted for output 0 only; check it")
-        firsts = [c for c in sorted(tail, key=lambda c: c.start) if not any(
-            c.path.startswith(d.path + ".") for d in tail)]  # fmt: skip
-        feeds = last.inputs.get(next(iter(last.inputs), ""), None)
-        body_made = any(p.endswith(".*") for p in out.plan)  # per-token tensors forward() builds itself
-        if body_made and len(firsts) > 1 and firsts[0] is not last and not any(feeds is o for o in firsts[0].outputs):
-            head = firsts[0]
-            name = next(iter(last.inputs))
-            out.add(head.path, "gather", None, 1, head.outputs[0].dim())
-            out.add(last.path, "split_inputs", name, 1, feeds.dim())
-            out.why.append((f"{head.path} gather", f"{_shape(head.outputs[0])}: forward() transforms it before "
-                            f"{last.path} and builds per-token tensors itself (whole on every rank): gather here so "
-                            "that step runs on whole tensors"))  # fmt: skip
-            out.why.append(
-                (
-                    f"{last.path} {name} split",
-                    f"{_shape(feeds)}: split again so that {last.path} and "
-                    "what feeds it see only this rank's tokens in backward (gradients stay a SUM)",
-                )
+        return
+    last = max(tail, key=lambda c: c.end)
+    o = last.outputs
+    if len(o) != 1:
+        out.notes.append(f"{last.path} has {len(o)} outputs: gather drafted for output 0 only; check it")
+    firsts = [c for c in sorted(tail, key=lambda c: c.start) if not any(
+        c.path.startswith(d.path + ".") for d in tail)]  # fmt: skip
+    feeds = last.inputs.get(next(iter(last.inputs), ""), None)
+    body_made = any(p.endswith(".*") for p in out.plan)  # per-token tensors forward() builds itself
+    if body_made and len(firsts) > 1 and firsts[0] is not last and not any(feeds is o for o in firsts[0].outputs):
+        head = firsts[0]
+        name = next(iter(last.inputs))
+        out.add(head.path, "gather", None, 1, head.outputs[0].dim())
+        out.add(last.path, "split_inputs", name, 1, feeds.dim())
+        out.why.append((f"{head.path} gather", f"{_shape(head.outputs[0])}: forward() transforms it before "
+                        f"{last.path} and builds per-token tensors itself (whole on every rank): gather here so "
+                        "that step runs on whole tensors"))  # fmt: skip
+        out.why.append(
+            (
+                f"{last.path} {name} split",
+                f"{_shape(feeds)}: split again so that {last.path} and "
+                "what feeds it see only this rank's tokens in backward (gradients stay a SUM)",
             )
-        out.add(last.path, "gather", None, 1, o[0].dim())
-        others = sorted({c.path for c in tail} - {last.path})
-        others = [p for p in others if not any(p.startswith(q + ".") for q in others)]
-        more = f" (after {', '.join(others)})" if others else ""
-        out.why.append((f"{last.path} gather", f"{_shape(o[0])} is the last module output with the {seq} tokens"
-                        f"{more}: gather the sequence so the loss sees the whole prediction"))  # fmt: skip
+        )
+    out.add(last.path, "gather", None, 1, o[0].dim())
+    others = sorted({c.path for c in tail} - {last.path})
+    others = [p for p in others if not any(p.startswith(q + ".") for q in others)]
+    more = f" (after {', '.join(others)})" if others else ""
+    out.why.append((f"{last.path} gather", f"{_shape(o[0])} is the last module output with the {seq} tokens"
+                    f"{more}: gather the sequence so the loss sees the whole prediction"))  # fmt: skip
 
-    # Cross-attention onto whole text: a processor that still hands it its parallel config would all-to-all every
-    # rank's identical copy of the text through Ulysses; such attention runs locally (exact: local queries, all keys).
+
+def _local_attention(out: Draft, seen: _Trace) -> None:
+    """Which attention runs locally. Cross-attention onto whole text: a processor that still hands it its parallel
+    config would all-to-all every rank's identical copy of the text through Ulysses, so such attention runs locally
+    (exact: local queries, all keys). Attention before the blocks (a text refiner) runs on replicated tokens: local,
+    at the model's child holding it."""
+    first, blocks, text_len = seen.first, seen.blocks, seen.text_len
     local = set()
-    for call in calls.values():
+    for call in seen.calls.values():
         kv = call.inputs.get("encoder_hidden_states")
-        if (isinstance(call.module, (Attention, AttentionModuleMixin)) and not joint and torch.is_tensor(kv)
+        if (_is_attention(call.module) and not seen.joint and torch.is_tensor(kv)
                 and kv.shape[1] == text_len and _is_inside(call.path, blocks) and _attends_with_cp(call)):  # fmt: skip
             block = next(b for b in blocks if call.path.startswith(b + "."))
-            local.add(f"{list_path}.*{call.path[len(block) :]}")
-    # Attention before the blocks (a text refiner) runs on replicated tokens: local, at the model's child holding it.
-    for call in calls.values():
-        if (isinstance(call.module, (Attention, AttentionModuleMixin)) and call.path
+            local.add(f"{seen.list_path}.*{call.path[len(block) :]}")
+    for call in seen.calls.values():
+        if (_is_attention(call.module) and call.path
                 and not _is_inside(call.path, blocks) and call.end < first.start):  # fmt: skip
             local.add(call.path.split(".")[0])
     out.local_attention = sorted(local)
@@ -335,15 +448,16 @@ def draft(source: ModelSource, seed: int = 0) -> Draft:
         out.why.append((f"local_attention {path}", "cross-attention onto the whole text, yet its processor passes "
                         "the parallel config to dispatch_attention_fn (seen by a spy): attend locally"))  # fmt: skip
 
-    for path in out.plan:
-        concrete = path.replace("*", "0")
-        out.order[path] = calls[concrete].start + (0.5 if "*" in path else 0) if concrete in calls else 0
 
-    # layout_registry: every attention call attends over a split length or the sum of two (or whole text).
+def _decide_layout_registry(out: Draft, seen: _Trace) -> None:
+    """``layout_registry: true`` only when every attention call attends over a split length, the sum of two, or the
+    whole text: what the layout registry assumes. The first call that does not turns it off (every layer then
+    exchanges sizes) and says which."""
+    counts = seen.counts
     allowed = set(counts) | {a + b for a in counts for b in counts}
-    whole = {text_len} if text_len is not None and not joint else set()
-    for call in calls.values():
-        if isinstance(call.module, (Attention, AttentionModuleMixin)):
+    whole = {seen.text_len} if seen.text_len is not None and not seen.joint else set()
+    for call in seen.calls.values():
+        if _is_attention(call.module):
             q = call.inputs.get("hidden_states")
             kv = call.inputs.get("encoder_hidden_states")
             lengths = [x.shape[1] for x in (q, kv) if torch.is_tensor(x) and x.dim() == 3]
@@ -352,7 +466,6 @@ def draft(source: ModelSource, seed: int = 0) -> Draft:
                 out.notes.append(f"{call.path} attends over {lengths} tokens, not built from the splits: "
                                  "layout_registry false (every layer exchanges sizes)")  # fmt: skip
                 break
-    return out
 
 
 def _attends_with_cp(call: Call) -> bool:
@@ -415,7 +528,7 @@ def settings_diff(draft_text: str, shipped_text: str, shipped_name: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.cp.draft_plan", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m train.tools.draft_plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("model", help="diffusers class name (e.g. WanTransformer3DModel) or a local model folder")
     parser.add_argument("-o", "--output", help="write the plan here (default: print it)")
@@ -434,7 +547,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     extra = [f"--{k} {v}" for k, v in (("inputs", args.inputs), ("family", args.family)) if v]
-    command = " ".join(["python -m train.cp.draft_plan", args.model, *extra])
+    command = " ".join(["python -m train.tools.draft_plan", args.model, *extra])
     text = result.yaml(command)
     if args.diff:
         print(settings_diff(text, Path(args.diff).read_text(), args.diff), end="")

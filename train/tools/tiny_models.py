@@ -1,13 +1,11 @@
-"""Tiny random-init diffusers transformers plus matching forward inputs, for the context-parallel tests.
+"""Tiny random-init diffusers transformers plus matching forward inputs: the test fixtures of the CP tests.
 
 Families (``train/models/<family>/``, discovered): the model is the family's tiny transformer (``tiny_config``) and its
-inputs are built the way the trainer builds them, through the family's own spec: a synthetic cached batch with the
-shapes and batch size of the family's tiny recipe (``recipes/tiny/<family>.yaml``: ``data.synthetic.shapes``,
-``train.batch_size``; ``SyntheticLatentDataset``) → noise and sigmas (``train.objective``) →
-``spec.forward_kwargs(..., cp=True)`` → model → ``spec.predictions`` → flow-matching loss (:func:`family_case`,
-:func:`family_loss`). Every tiny model has 7 attention heads (divisible by none of the CP degrees 2, 3 and 4) of dim 8,
-and the recipes' shapes make every token count that CP splits uneven for 2, 3 and 4 (``tests/test_tiny_models.py``
-checks it on the tensors the CP plan splits).
+inputs are one training step's, built the way the trainer builds them: a synthetic cached batch of the family's tiny
+recipe shapes (``recipes/tiny/<family>.yaml``) through train/step.py's ``prepare`` (probe.py :func:`family_case`: the
+pipeline's own kwargs, with and without CP), and the trainer's loss (:func:`family_loss`). Every tiny model has 7
+attention heads (divisible by none of the CP degrees 2, 3 and 4) of dim 8, and the recipes' shapes make every token
+count that CP splits uneven for 2, 3 and 4 (``tests/test_tiny_models.py`` checks it on the tensors the plan splits).
 
 Guard models (Helios): diffusers transformers whose CP training is refused, not families. LTX-2 is not a family
 either but trains under CP with its text masks (tests/test_ltx_variants.py). Their tiny configs and inputs are written
@@ -35,11 +33,10 @@ import torch
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.utils import BaseOutput
 
-from train import objective
-from train.cp.probe import INIT_BIAS_STD, INIT_GAIN, FamilyCase, _padded_masks, family_case, init_weights, tiny_recipe  # noqa: F401,E501
 from train.models import family_module, family_names, get_family
 from train.models import tiny_config as family_tiny_config
 from train.models.tiny import HEAD_DIM, INNER_DIM, NUM_HEADS, TEXT_DIM
+from train.tools.probe import INIT_BIAS_STD, INIT_GAIN, family_case, init_weights, tiny_recipe  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,30 +52,23 @@ ALL_MODEL_NAMES: tuple[str, ...] = FAMILY_NAMES + OTHER_MODEL_NAMES
 # Families -------------------------------------------------------------------------------------------------------------
 
 
-# tiny_recipe, FamilyCase and family_case live in train/cp/probe.py (the plan tools build family inputs too).
+# tiny_recipe and family_case live in probe.py (the plan tools build family inputs too).
 
 
-def family_loss(case: FamilyCase, out: Any, model_config: Any) -> torch.Tensor:
-    """The flow-matching loss of a family's output: ``spec.predictions`` (the cached latent layout, ``noise - x0``)
-    against ``noise - x0``, summed over streams. Computed in the prediction's dtype (the trainer's
-    ``flow_matching_loss`` casts to float32, which would hide float64 exactness)."""
-    preds = case.spec.predictions(out, case.shapes, model_config=model_config)
-    loss = 0.0
-    for s, pred in preds.items():
-        target = objective.flow_matching_target(case.batch[s], case.noise[s]).to(pred.dtype)
-        if s == "latents" and case.condition is not None:  # conditioning elements are out of the loss
-            keep = (1 - case.condition).to(pred.dtype).expand_as(pred)
-            loss = loss + ((pred - target).pow(2) * keep).sum() / keep.sum()
-        else:
-            loss = loss + torch.nn.functional.mse_loss(pred, target)
-    return loss
+def family_loss(case, out: Any, model_config: Any) -> torch.Tensor:
+    """The trainer's loss of a family's output (train/step.py `loss_of`; float64 for float64 predictions)."""
+    from train.step import Objective, loss_of
+
+    return loss_of(case.spec, case, out, Objective(), model_config=model_config)
 
 
 # Guard models ---------------------------------------------------------------------------------------------------------
 
+# Helios is built on Wan's blocks: the tiny config of the family whose transformer is Wan's text-to-video class.
+_WAN_LAYOUT = next(n for n in family_names() if get_family(n).transformer_class == "WanTransformer3DModel")
 GUARD_CONFIGS: dict[str, dict[str, Any]] = {
-    # Wan's block layout (the Wan family's tiny config, less its rope length) with Helios' multi-term memory.
-    "helios": {k: v for k, v in family_tiny_config("wan").items() if k != "rope_max_seq_len"}
+    # Wan's block layout (its tiny config, less its rope length) with Helios' multi-term memory.
+    "helios": {k: v for k, v in family_tiny_config(_WAN_LAYOUT).items() if k != "rope_max_seq_len"}
     | dict(
         num_layers=1,
         rope_dim=(4, 2, 2),  # sums to HEAD_DIM
@@ -277,15 +267,13 @@ def build_inputs(
 ) -> dict[str, Any]:
     """Keyword arguments for ``model(**inputs, return_dict=False)``, deterministic from ``seed``.
 
-    A family: ``family_case(...).kwargs``, the kwargs a CP run feeds (LTX and Qwen-Image keep their padded text
-    masks). ``with_text_mask=True`` gives the non-CP kwargs of a family that has a text mask and LTX-2's padded masks;
-    other models raise ``ValueError``. Tensors are created on CPU and moved to ``device``.
+    A family: ``family_case(...).kwargs``, the pipeline's own kwargs (the same with and without CP; text masks as
+    the pipeline passes them). A guard model: its inputs; ``with_text_mask=True`` gives LTX-2's padded text masks (a
+    family always has its own). Tensors are created on CPU and moved to ``device``.
     """
     _check_name(name)
     if name in FAMILY_NAMES:
-        if with_text_mask and get_family(name).text_mask_kwarg is None:
-            raise ValueError(f"{name} has no text attention mask input")
-        inputs = family_case(name, seed, dtype, cp=not with_text_mask).kwargs
+        inputs = family_case(name, seed, dtype).kwargs
     else:
         inputs = _GUARD_INPUTS[name](torch.Generator().manual_seed(seed), dtype, with_text_mask)
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
@@ -303,7 +291,7 @@ def token_counts(name: str) -> dict[str, int]:
         return _guard_token_counts(name)
     case = family_case(name)
     media = case.spec.tokens_per_sample({s: x[1:] for s, x in case.shapes.items()}, tiny_config(name))
-    return {case.spec.latent_kind: media, "text": int(case.kwargs[case.spec.text_kwarg].shape[1])}
+    return {case.spec.latent_kind: media, "text": int(case.kwargs["encoder_hidden_states"].shape[1])}
 
 
 # Outputs and loss -----------------------------------------------------------------------------------------------------

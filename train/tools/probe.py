@@ -1,12 +1,12 @@
 """Tiny instances of any diffusers transformer, their forward inputs, and a trace of one forward: what the plan tools
-(`python -m train.cp.draft_plan`, `python -m train.cp.check_plan`) and the CP tests run on.
+(`python -m train.tools.draft_plan`, `python -m train.tools.check_plan`) and the CP tests run on.
 
 A model is named by a diffusers class name or a local model folder (its `config.json`, or a pipeline folder's
 `transformer/config.json`):
 
-* a class a family in `train/models/` uses: the family's tiny config (`TINY_CONFIG`) and the inputs the trainer feeds
-  it (:func:`family_case`: a synthetic batch of the family's tiny recipe shapes, noised, through
-  `spec.forward_kwargs`);
+* a class a family in `train/models/` uses: the family's tiny config (its tiny recipe's `model.init_config`) and the
+  inputs the trainer feeds it (:func:`family_case`: a synthetic batch of the family's tiny recipe shapes through
+  train/step.py's `prepare`);
 * a folder: its config with the repeated-block counts cut to at most 2 (:func:`shrink_config`), and the inputs of the
   family of its `_class_name`;
 * otherwise (or to override the inputs) `--inputs module:function`, a callable taking the config dict and returning
@@ -53,30 +53,18 @@ def tiny_recipe(name: str):
     return load_recipe(REPO / "recipes" / "tiny" / f"{name}.yaml")
 
 
-@dataclass
-class FamilyCase:
-    """One training step's tensors for a family, as the trainer builds them (see tests/tiny_models.py)."""
+def family_batch(
+    name: str, seed: int = 0, dtype: torch.dtype = torch.float32, batch_size: int | None = None
+) -> dict[str, torch.Tensor]:
+    """A cached batch of the family's tiny recipe shapes, as the trainer collates it: synthetic items (seeded), whose
+    text masks pad each sample's prompt to a different length. ``batch_size``: default the recipe's."""
+    from train.data.dataset import collate
+    from train.data.synthetic_latents import SyntheticLatentDataset
 
-    spec: Any  # FamilySpec
-    batch: dict[str, torch.Tensor]
-    noise: dict[str, torch.Tensor]
-    sigmas: dict[str, torch.Tensor]
-    noisy: dict[str, torch.Tensor]
-    kwargs: dict[str, Any]
-    condition: torch.Tensor | None = None  # 1 = clean conditioning element of the latents (no loss), or None
-
-    @property
-    def shapes(self) -> dict[str, torch.Size]:
-        return {s: x.shape for s, x in self.noisy.items()}
-
-
-def _padded_masks(batch: dict[str, torch.Tensor]) -> None:
-    """Key-padding masks (1 = keep): sample 0 pads its last 2 tokens, the others none, so masks differ per sample and
-    the text a CP run keeps (cut to the longest unpadded prompt when the mask can't be fed) stays odd: L or L - 2."""
-    for key in [k for k in batch if k.endswith("_mask")]:
-        mask = torch.ones_like(batch[key], dtype=torch.bool)
-        mask[0, -2:] = False
-        batch[key] = mask
+    recipe = tiny_recipe(name)
+    size = recipe.train.batch_size if batch_size is None else batch_size
+    data = SyntheticLatentDataset(size, dict(recipe.data.synthetic.shapes), seed=seed, dtype=dtype)
+    return collate([data[i] for i in range(size)])
 
 
 def family_case(
@@ -84,37 +72,21 @@ def family_case(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     *,
-    cp: bool = True,
     batch_size: int | None = None,
     model_config: dict[str, Any] | None = None,
-) -> FamilyCase:
-    """A synthetic batch of the family's tiny recipe shapes, noised at sampled sigmas, and its forward kwargs for the
-    tiny transformer (``cp=True``: as the trainer feeds a CP model, e.g. HunyuanVideo's text cut to the longest prompt
-    with an all-ones mask).
-    ``model_config``: the transformer config the kwargs are built for (default: the family's tiny config)."""
-    from train import objective
-    from train.data.synthetic_latents import SyntheticLatentDataset
+):
+    """One training step's inputs for the family's tiny transformer (train/step.py `prepare`, the trainer's own: the
+    pipeline's forward kwargs, with and without CP) on `family_batch`. ``model_config``: the transformer config the
+    kwargs are built for (default: the family's tiny config)."""
     from train.models import get_family
     from train.models import tiny_config as family_tiny_config
+    from train.step import Objective, prepare
 
     spec, recipe = get_family(name), tiny_recipe(name)
-    size = recipe.train.batch_size if batch_size is None else batch_size
-    data = SyntheticLatentDataset(size, dict(recipe.data.synthetic.shapes), seed=seed, dtype=dtype)
-    items = [data[i] for i in range(size)]
-    batch = {k: torch.stack([item[k] for item in items]) for k in items[0]}
-    _padded_masks(batch)
-    gen = torch.Generator().manual_seed(10_000 + seed)
-    seq_len = spec.image_seq_len(batch["latents"].shape[1:])
-    sigmas = objective.sample_stream_sigmas(size, spec, image_seq_len=seq_len, frames=batch["latents"].shape[2],
-                                            frame_sigmas=recipe.train.frame_sigmas, generator=gen)  # fmt: skip
-    sigmas = {s: v.to(dtype) for s, v in sigmas.items()}
-    noise = {s: objective.sample_noise(batch[s].shape, generator=gen, dtype=dtype) for s in spec.streams}
-    cond = spec.conditioning(batch, batch["latents"])  # clean conditioning (first frame of image-to-video) or None
-    element = {**sigmas, "latents": objective.condition_sigmas(sigmas["latents"], cond)}
-    noisy = {s: objective.add_noise(batch[s], noise[s], element[s]) for s in spec.streams}
+    batch = family_batch(name, seed, dtype, batch_size)
+    objective = Objective.of(recipe, spec)
     config = family_tiny_config(name) if model_config is None else model_config
-    kwargs = spec.forward_kwargs(batch, noisy, element, model_config=config, cp=cp)
-    return FamilyCase(spec, batch, noise, sigmas, noisy, kwargs, cond)
+    return prepare(spec, batch, objective, torch.Generator().manual_seed(10_000 + seed), model_config=config)
 
 
 # ------------------------------------------------------------------------------------------------------ weights
@@ -180,6 +152,14 @@ class ModelSource:
                     param.requires_grad_(False)
         return (model if dtype == torch.float32 else model.to(dtype=dtype)).train()
 
+    def step_inputs(self, seed: int = 0, dtype: torch.dtype = torch.float32):
+        """A family model's training-step inputs (train/step.py `StepInputs`: kwargs, noise, sigmas, for the family's
+        own loss), deterministic from ``seed``; None for ``--inputs`` (no family: no objective)."""
+        if self.inputs_fn is not None or self.family is None:
+            return None
+        # two samples whose prompts pad to different lengths: the case a per-sample mask must get right
+        return family_case(self.family, seed, dtype, batch_size=2, model_config=self.config)
+
     def inputs(self, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         """Forward kwargs, deterministic from ``seed`` (global RNG state untouched)."""
         if self.inputs_fn is not None:
@@ -188,7 +168,7 @@ class ModelSource:
                 kwargs = self.inputs_fn(dict(self.config))
             return {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kwargs.items()}
         assert self.family is not None
-        return family_case(self.family, seed, dtype, model_config=self.config).kwargs
+        return self.step_inputs(seed, dtype).kwargs
 
 
 def _families_for(class_name: str) -> list[str]:

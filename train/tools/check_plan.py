@@ -2,13 +2,15 @@
 
 Usage::
 
-    python -m train.cp.check_plan cp_plans/wan.yaml --model WanTransformer3DModel
-    python -m train.cp.check_plan draft.yaml --model path/to/model_folder --degrees 2 3 4
-    python -m train.cp.check_plan draft.yaml --model MyTransformer3DModel --inputs my_inputs:make_kwargs
+    python -m train.tools.check_plan cp_plans/wan.yaml --model WanTransformer3DModel
+    python -m train.tools.check_plan draft.yaml --model path/to/model_folder --degrees 2 3 4
+    python -m train.tools.check_plan draft.yaml --model MyTransformer3DModel --inputs my_inputs:make_kwargs
 
-Every rank builds the same tiny model (train/cp/probe.py), runs it serially, then enables CP with the plan
-(`enable_context_parallel`, layout registry in verify mode) and runs the same forward, the same loss (MSE of every
-output against a seeded target) and backward; gradients are SUM-reduced over the CP group. Printed per degree:
+Every rank builds the same tiny model (train/tools/probe.py), runs it serially on one training step's inputs as the
+family's pipeline builds them (train/step.py: two samples whose prompts pad to different lengths, the real text masks;
+`--inputs` for a class without a family), then enables CP with the plan (`enable_context_parallel`, layout registry
+in verify mode) and runs the same forward, the same loss (the family's training loss; MSE against seeded targets
+with `--inputs`) and backward; gradients are SUM-reduced over the CP group. Printed per degree:
 
 * one verdict per plan entry, at every concrete module path it resolves to: the tensors CP hands the module
   (split inputs), what it returns (split outputs) and the gathered output must equal the serial tensors' slices
@@ -67,6 +69,16 @@ def param_group(name: str) -> str:
     return ".".join(atoms[:keep])
 
 
+def _step_loss(step, raw: Any, outputs: list[torch.Tensor], model: torch.nn.Module) -> torch.Tensor:
+    """The family's training loss of the output (train/step.py `loss_of`), or without a family (--inputs) the MSE of
+    every output against a seeded target."""
+    if step is None:
+        return _loss(outputs)
+    from train.step import Objective, loss_of
+
+    return loss_of(step.spec, step, raw, Objective(), model_config=model.config)
+
+
 def _loss(outputs: list[torch.Tensor]) -> torch.Tensor:
     loss = outputs[0].new_zeros((), dtype=torch.float32)
     for i, out in enumerate(outputs):
@@ -82,7 +94,7 @@ class _Recorder:
     def __init__(self, model: torch.nn.Module, paths: list[str]) -> None:
         from diffusers.hooks.hooks import HookRegistry, ModelHook
 
-        from train.cp.probe import as_outputs, bind_inputs
+        from train.tools.probe import as_outputs, bind_inputs
 
         self.inner_in: dict[str, dict[str, Any]] = {}
         self.inner_out: dict[str, list[Any]] = {}
@@ -269,8 +281,8 @@ def _check_rank(rank: int, world: int, cases: list[Case], tol: float) -> list[di
 
     from train.cp import enable_context_parallel
     from train.cp.plans import load_plan_file, resolve_plan
-    from train.cp.probe import as_outputs, resolve_source
     from train.cp.reduce import GradReduction
+    from train.tools.probe import as_outputs, resolve_source
 
     global TOL
     TOL = tol
@@ -284,9 +296,11 @@ def _check_rank(rank: int, world: int, cases: list[Case], tol: float) -> list[di
         serial_model = source.build(0)
         paths = sorted(resolve_plan(spec, serial_model))
         serial = _Recorder(serial_model, paths)
-        kwargs = source.inputs(1)
-        ref_out = [o for o in as_outputs(serial_model(**kwargs, return_dict=False)) if torch.is_tensor(o)]
-        ref_loss = _loss(ref_out)
+        step = source.step_inputs(1)  # a family's training step (train/step.py), else --inputs with an MSE loss
+        kwargs = step.kwargs if step is not None else source.inputs(1)
+        raw = serial_model(**kwargs, return_dict=False)
+        ref_out = [o for o in as_outputs(raw) if torch.is_tensor(o)]
+        ref_loss = _step_loss(step, raw, ref_out, serial_model)
         ref_loss.backward()
         ref_grads = {n: p.grad for n, p in serial_model.named_parameters() if p.grad is not None}
 
@@ -296,10 +310,11 @@ def _check_rank(rank: int, world: int, cases: list[Case], tol: float) -> list[di
         try:
             state = enable_context_parallel(model, mesh=mesh, plan=spec)
             state.layout.verify = True  # every layer checks, from exchanged sizes, that the registry decided right
-            out = [o for o in as_outputs(model(**source.inputs(1), return_dict=False)) if torch.is_tensor(o)]
+            raw = model(**kwargs, return_dict=False)
+            out = [o for o in as_outputs(raw) if torch.is_tensor(o)]
             res["out"] = max(_rel(o, r) for o, r in zip(out, ref_out))
             res["out_shapes"] = [(_shape(o), _shape(r)) for o, r in zip(out, ref_out)]
-            loss = _loss(out)
+            loss = _step_loss(step, raw, out, model)
             res["loss"] = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
             loss.backward()
             reduction.reduce_gradients(model.parameters())
@@ -328,7 +343,7 @@ def _check_rank(rank: int, world: int, cases: list[Case], tol: float) -> list[di
 def check(cases: list[Case], degrees: Sequence[int] = (2, 3), tol: float = TOL) -> dict[int, list[dict]]:
     """Run every case at every degree (one spawned gloo group per degree, all cases in it); per degree, one merged
     result per case: rows with the worst error over ranks, rank 0's output/loss/gradient errors."""
-    from train.cp.spawn import run_distributed
+    from train.tools.spawn import run_distributed
 
     merged: dict[int, list[dict]] = {}
     for world in degrees:
@@ -392,7 +407,7 @@ def format_report(results: dict[int, list[dict]], index: int = 0, tol: float = T
 def _user_checks(case: Case) -> None:
     """One-line errors before spawning: the plan loads, the model resolves, the plan is for this class and fits."""
     from train.cp.plans import load_plan_file, validate_plan
-    from train.cp.probe import resolve_source
+    from train.tools.probe import resolve_source
 
     if not Path(case.plan).is_file():
         raise UserError(f"{case.plan}: no such plan file; pass a cp_plans/*.yaml or a drafted plan")
@@ -409,7 +424,7 @@ def _user_checks(case: Case) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.cp.check_plan", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m train.tools.check_plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("plan", help="plan YAML (cp_plans/*.yaml or a draft)")
     parser.add_argument("--model", required=True, help="diffusers class name or local model folder")

@@ -1,8 +1,8 @@
 """Run a function on N real gloo processes (CPU) and collect what each rank returns.
 
 Results come back through files, not `mp.Queue` (a queue can hang when the producer exits first). A timeout on the
-process group turns a mismatched collective into an error instead of a hang. Used by the tests (tests/distributed.py)
-and the plan checker (`python -m train.cp.check_plan`).
+process group turns a mismatched collective into an error instead of a hang. Used by the tests (tests/harness.py)
+and the plan checker (`python -m train.tools.check_plan`).
 """
 
 from __future__ import annotations
