@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import Groups, Runs
+from tests.harness import WARM, Groups, Runs, session_dir
 
 SLOW_FIXTURES = {"runs", "group", "launcher"}
 
@@ -25,7 +26,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # What the session started, counted where it happens (not by the harness's own bookkeeping): every child process
 # through a `subprocess.Popen` audit hook (a trainer launch is one whose command runs train.launch or the trainer
-# script), every gloo process group through train.tools.spawn.run_distributed (tests, check_plan, bench).
+# script), every gloo process group through train.tools.spawn.run_distributed (tests, check_plan, bench); and what
+# the warm process forked (tests/harness.py `WarmRanks`: its trainer runs and its process groups). The warm process
+# itself is one "other process"; the one real 2-rank launch it makes to read the launcher's environment is not counted.
 STARTED: Counter = Counter()
 TRAINER_ARGS = ("train.launch", "train/finetune.py", "train.finetune")
 
@@ -47,6 +50,7 @@ def _count_groups(run_distributed: Callable) -> Callable:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    session_dir()  # before the warm process starts: its ranks share the session's folder
     config.addinivalue_line("markers", "slow: launches the trainer or spawns processes (left out of the fast tier)")
     import train.tools.spawn
 
@@ -58,6 +62,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if any(item.get_closest_marker("slow") for item in session.items):
+        WARM.start()  # its imports overlap the first tests; the slow tests fork from it
 
 
 @pytest.fixture(scope="session")
@@ -78,18 +87,25 @@ def group(request: pytest.FixtureRequest) -> Groups:
     return GROUPS[-1]
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    WARM.close()
+    shutil.rmtree(session_dir(), ignore_errors=True)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     """What the session started, and the shared groups' time per job (rank 0), so `pytest --durations` users see
     what a group spends where."""
-    if STARTED:
+    if STARTED or WARM.runs or WARM.groups:
         terminalreporter.section("processes started")
-        for what, n in sorted(STARTED.items()):
+        warm = {"runs on forked warm ranks (trainer, prepare)": WARM.runs} if WARM.runs else {}
+        warm |= {f"process groups of {w} on forked warm ranks": n for w, n in WARM.groups.items()}
+        for what, n in sorted({**STARTED, **warm}.items()):
             terminalreporter.write_line(f"{n:5d}  {what}")
     rows = [row for g in GROUPS for row in g.timings()]
     if rows:
         terminalreporter.section("shared process groups (seconds, rank 0)")
         for world, job, seconds in sorted(rows, key=lambda r: (r[0], r[1] != "*", -r[2])):
-            terminalreporter.write_line(f"{seconds:8.1f}  world {world}  {'spawn to results' if job == '*' else job}")
+            terminalreporter.write_line(f"{seconds:8.1f}  world {world}  {'start to results' if job == '*' else job}")
 
 
 @pytest.fixture(scope="session")

@@ -2,19 +2,24 @@
 
 A test states what differs, never how to launch:
 
-    run = train(tmp_path / "cp2", "recipes/tiny/wan.yaml", "parallel.cp=2", nproc=2)   # python -m train.launch
+    run = train(tmp_path / "cp2", "recipes/tiny/wan.yaml", "parallel.cp=2", nproc=2)   # 2 ranks, warm
     assert_same_steps(run.metrics, serial.metrics, "CP 2 vs 1")
     results = spawn(fn, 3, *args)                                                     # fn(rank, world, *args)
     check_lora_reload("wan", pipeline_dir, run.out / "lora")
 
-Launches go through `python -m train.launch` (what launch/*.sh run: the rank's exit code, one error line, no
-launcher traceback) with configs/accelerate/cpu.yaml. `Runs` (the `runs` fixture, tests/conftest.py) memoises
-launches per distinct command for the whole session, so two tests that need the same run share one launch.
+A run's ranks are forked from the session's warm process (`WarmRanks`), which imported the trainer once: each rank runs
+train/finetune.py as the interpreter runs a script (runpy: its preflight, `run_rank`) with the environment `python -m
+train.launch` gives its ranks (captured from a real launch), so a tiny run costs seconds, not ~10 s of imports per rank.
+`launcher=True` runs the real `python -m train.launch` (what launch/*.sh run: the rank's exit code, one error line, no
+launcher traceback) with configs/accelerate/cpu.yaml: the launch-path tests (tests/test_bad_inputs.py, test_runtime.py,
+test_launch.py, test_guards.py's signal to the launcher) and per-process memory use it. `Runs` (the `runs` fixture,
+tests/conftest.py) memoises runs per distinct command for the whole session, so two tests that need the same run share
+one.
 
 Process groups: `spawn` runs a function on N real gloo processes. Tests whose rank functions can share a group
-register them with `@rank_job(world, ...)`; the `group` fixture then spawns ONE group per world size for every such
-job of the selected test modules and hands each test its job's per-rank results (a failed job raises in its own
-tests only).
+register them with `@rank_job(world, ...)`; the `group` fixture then forks ONE group per world size from the warm
+process (real gloo processes, without each rank's imports) for every such job of the selected test modules and hands
+each test its job's per-rank results (a failed job raises in its own tests only).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +63,7 @@ __all__ = [
     "load_lora",
     "load_pipeline",
     "rank_job",
+    "session_dir",
     "shared_tmpdir",
     "spawn",
     "train",
@@ -74,12 +81,12 @@ def launch_command(
     nproc: int = 1,
     resume: bool = False,
     extra: Iterable[str] = (),
-    script: str = "train/finetune.py",
 ) -> list[str]:
     """The trainer's command line: `python -m train.launch` with accelerate's arguments, the recipe, `--set`s. wandb is
     off and the progress bar too unless an override says otherwise (later `--set`s win)."""
     sets = [*([f"output_dir={out}"] if out is not None else []), *QUIET, *overrides]
-    return [sys.executable, "-m", "train.launch", "--config_file", CPU_CONFIG, "--num_processes", str(nproc), script,
+    return [sys.executable, "-m", "train.launch", "--config_file", CPU_CONFIG, "--num_processes", str(nproc),
+            "train/finetune.py",
             "--recipe", str(recipe), *[a for s in sets for a in ("--set", s)], *(["--resume"] if resume else []),
             *extra]  # fmt: skip
 
@@ -129,17 +136,280 @@ def train(
     check: bool = True,
     timeout: float = LAUNCH_TIMEOUT_S,
     environ: dict[str, str] | None = None,
-    script: str = "train/finetune.py",
+    launcher: bool = False,
 ) -> Run:
-    """Launch the trainer and wait for it; `check`: fail the test unless it exited 0."""
-    cmd = launch_command(out, recipe, *overrides, nproc=nproc, resume=resume, extra=extra, script=script)
-    proc = subprocess.run(cmd, cwd=REPO, env=environ or env(), capture_output=True, text=True, timeout=timeout)
-    run = Run(out, proc.returncode, proc.stdout, proc.stderr, cmd)
+    """Run the trainer and wait for it; `check`: fail the test unless it exited 0. By default its ranks are forked
+    from the session's warm process (`WarmRanks`: the ranks' own code and environment, without ~10 s of imports per
+    rank); `launcher=True` starts it through `python -m train.launch` itself, for the claims about the launch path
+    (exit codes and lines, signals, launcher death, nodes) and for anything measured per process (memory)."""
+    cmd = launch_command(out, recipe, *overrides, nproc=nproc, resume=resume, extra=extra)
+    if launcher or environ is not None:
+        proc = subprocess.run(cmd, cwd=REPO, env=environ or env(), capture_output=True, text=True, timeout=timeout)
+        run = Run(out, proc.returncode, proc.stdout, proc.stderr, cmd)
+    else:
+        run = Run(out, *WARM.run(cmd[cmd.index("train/finetune.py") :], nproc, timeout), cmd)
     return run.ok() if check else run
 
 
+# ----------------------------------------------------------------------------------------------------- warm ranks
+# A trainer launch spends ~10 s per rank importing torch, diffusers, peft and the trainer before its first line of
+# work; a tiny test run then trains for 2-5 s. The warm process imports the trainer once per session and forks each
+# run's ranks from it. A forked rank runs what a launched rank runs (the script as `__main__`, through runpy),
+# with the environment the real launcher gives its ranks: captured once per session from a real `python -m
+# train.launch` of a script that prints it, then per run only the rank, the world size and a free port differ.
+# What a fork cannot show is the launcher's own behaviour, and per-process memory: those tests pass launcher=True.
+
+PER_RANK = ("RANK", "LOCAL_RANK", "ROLE_RANK")
+PER_WORLD = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "ROLE_WORLD_SIZE")
+# torchrun's agent hosts the rendezvous store and writes error files; without it rank 0 hosts the store (env://)
+AGENT_ONLY = ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "MASTER_PORT")
+GROUP_TIMEOUT_S = 1800  # a shared group runs many jobs (~3 min at world 4 on 2 cores)
+PEER_GRACE_S = 2.0  # after a rank fails, its peers' time to exit by themselves before they are killed (as torchrun)
+
+
+def launcher_environment() -> dict[str, str]:
+    """What `python -m train.launch --config_file configs/accelerate/cpu.yaml` adds to rank 0's environment (read
+    from a real 2-rank launch), less the agent-only keys; per-rank and per-world keys are set per run."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "print_env.py"
+        dump = "open(f\"{sys.argv[1]}.{os.environ['RANK']}\", 'w').write(json.dumps(dict(os.environ)))"
+        script.write_text(f"import json, os, sys\n{dump}\n")
+        cmd = [sys.executable, "-m", "train.launch", "--config_file", CPU_CONFIG, "--num_processes", "2", str(script),
+               f"{tmp}/env"]  # fmt: skip
+        subprocess.run(cmd, cwd=REPO, env=env(), check=True, capture_output=True, timeout=LAUNCH_TIMEOUT_S)
+        ranks = [json.loads(Path(f"{tmp}/env.{r}").read_text()) for r in range(2)]
+    base = env()
+    added = {k: v for k, v in ranks[0].items() if base.get(k) != v and k not in AGENT_ONLY}
+    differ = {k for k in ranks[0].keys() | ranks[1].keys() if ranks[0].get(k) != ranks[1].get(k)}
+    assert differ <= set(PER_RANK) | {"TORCHELASTIC_ERROR_FILE"}, f"the launcher sets per-rank keys {differ}"
+    assert all(added[k] == "2" for k in PER_WORLD) and {"RANK", "MASTER_ADDR"} <= added.keys(), added
+    return added
+
+
+def serve() -> None:
+    """The warm process (`python -m tests.harness serve`): one JSON request per line on stdin, one JSON reply per
+    line on stdout; it ends with its stdin."""
+    launched = launcher_environment()
+    import train.config
+    import train.finetune  # noqa: F401 — the ranks' imports, done once
+
+    protocol = sys.stdout
+
+    def reply(**fields: Any) -> None:
+        protocol.write(json.dumps(fields) + "\n")
+        protocol.flush()
+
+    for line in sys.stdin:
+        reply(rc=_fork_ranks(json.loads(line), launched, reply))
+
+
+def _fork_ranks(req: dict, launched: dict[str, str], reply: Callable[..., None]) -> int:
+    """Fork the request's ranks and wait for them: the first failed rank's exit code (as train.launch), 124 on
+    timeout. A trainer run (`argv`) gets the launcher's environment; a process group (`call`) the test's, as
+    `train.tools.spawn.run_distributed` gives it."""
+    import signal
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    n, pids = req["nproc"], {}
+    for rank in range(n):
+        per_rank = {**dict.fromkeys(PER_RANK, str(rank)), **dict.fromkeys(PER_WORLD, str(n)), "MASTER_PORT": port}
+        rank_env = {**req["env"], **launched, **per_rank} if "argv" in req else req["env"]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _rank(req, rank_env, rank, int(port))
+        pids[rank] = pid
+    reply(pids=list(pids.values()))  # the ranks' pids, in rank order, before they end (a test may signal one)
+    codes: dict[int, int] = {}
+    deadline, failed_at = time.monotonic() + req["timeout"], None
+    while len(codes) < n:
+        for rank, pid in pids.items():
+            if rank not in codes and (done := os.waitpid(pid, os.WNOHANG))[0]:
+                codes[rank] = os.waitstatus_to_exitcode(done[1])
+                failed_at = failed_at or (codes[rank] != 0 and (rank, time.monotonic()))
+        late = failed_at and time.monotonic() - failed_at[1] > PEER_GRACE_S
+        if late or time.monotonic() > deadline:
+            for rank in set(pids) - set(codes):
+                os.kill(pids[rank], signal.SIGKILL)
+            if not late:
+                return 124
+        time.sleep(0.02)
+    if not failed_at:
+        return 0
+    rank, code = failed_at[0], codes[failed_at[0]]
+    with open(req["stderr"], "a") as f:
+        print(f"launch: rank {rank} exited with code {code} (its error is above)", file=f)
+    return code if code > 0 else 1
+
+
+def _rank(req: dict, rank_env: dict[str, str], rank: int, port: int) -> None:
+    """In the forked child: the rank's files, directory and environment, then a trainer rank's entry point (its
+    argv, preflight, `run_rank`) or a process group's (`train.tools.spawn.rank_entry` running the call)."""
+    try:
+        for fd, path in ((1, req["stdout"]), (2, req["stderr"]), (0, os.devnull)):
+            os.dup2(os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
+        os.chdir(REPO)
+        os.environ.clear()
+        os.environ.update(rank_env)
+        if "call" in req:  # (fn, args), pickled: fn by its importable name
+            fn, args = torch.load(req["call"], weights_only=False)
+            if req["init_group"]:
+                spawning.rank_entry(rank, req["nproc"], port, req["out_dir"], fn, args)
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                              WORLD_SIZE=str(req["nproc"]))  # fmt: skip
+            torch.save({"ok": True, "result": fn(rank, req["nproc"], *args)}, f"{req['out_dir']}/rank{rank}.pt")
+            sys.stdout.flush()
+            os._exit(0)
+        _run_main(req["argv"])
+    except BaseException:  # noqa: BLE001 — a crash of the rank, as the interpreter would print it
+        traceback.print_exc()
+    finally:
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _run_main(argv: list[str]) -> None:
+    """`python <script> args` or `python -m <module> args` in this process, as the interpreter runs them (runpy, as
+    `__main__`; train/finetune.py's own preflight and `run_rank`); leaves with the exit code."""
+    import runpy
+
+    try:
+        if argv[0] == "-m":
+            sys.argv = argv[1:]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            runpy.run_path(argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as e:  # as the interpreter exits: None 0, an int itself, anything else printed, 1
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else (print(e.code, file=sys.stderr), 1)[1]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class WarmRanks:
+    """The session's warm process, started on first use."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.runs, self.groups = 0, Counter()
+        self.pending: WarmRun | None = None  # a run started by `begin`, not yet ended
+
+    def start(self) -> None:
+        """Start the warm process now (it imports while the session's first tests run); a no-op when it runs."""
+        import tempfile
+
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        self.log = tempfile.NamedTemporaryFile(prefix="ctxtrain-warm-", suffix=".log", delete=False)
+        pipe = subprocess.PIPE
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.harness", "serve"], cwd=REPO, env=env(),
+                                     stdin=pipe, stdout=pipe, stderr=self.log, text=True)  # fmt: skip
+
+    def _reply(self) -> dict:
+        line = self.proc.stdout.readline()
+        assert line, f"the warm process ended: {Path(self.log.name).read_text()[-3000:]}"
+        return json.loads(line)
+
+    def _send(self, req: dict, stdout: str, stderr: str) -> list[int]:
+        """Send one request (after a background run's end: one run at a time); the ranks' pids (rank order) once
+        they are forked."""
+        if self.pending is not None:
+            self.pending.wait()
+        self.start()
+        for path in (stdout, stderr):
+            Path(path).touch()
+        self.proc.stdin.write(json.dumps({**req, "env": env(), "stdout": stdout, "stderr": stderr}) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()["pids"]
+
+    def _request(self, req: dict, tmp: str) -> tuple[int, str, str]:
+        self._send(req, f"{tmp}/stdout", f"{tmp}/stderr")
+        rc = self._reply()["rc"]
+        return rc, Path(f"{tmp}/stdout").read_text(), Path(f"{tmp}/stderr").read_text()
+
+    def begin(self, argv: list[str], nproc: int, log: Path, timeout: float = LAUNCH_TIMEOUT_S) -> WarmRun:
+        """`run` in the background, stdout and stderr into `log`: the ranks' pids now, the exit code later."""
+        pids = self._send({"argv": argv, "nproc": nproc, "timeout": timeout}, str(log), str(log))
+        self.runs += 1
+        self.pending = WarmRun(self, pids)
+        return self.pending
+
+    def run(self, argv: list[str], nproc: int, timeout: float) -> tuple[int, str, str]:
+        """`argv` (a script and its arguments, or `-m module ...`: what `torchrun --nproc_per_node <nproc>` would be
+        given) on `nproc` forked ranks with the launcher's environment: (exit code, stdout, stderr)."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            rc, out, err = self._request({"argv": argv, "nproc": nproc, "timeout": timeout}, tmp)
+        self.runs += 1
+        if rc == 124:
+            raise subprocess.TimeoutExpired(argv, timeout, out, err)
+        return rc, out, err
+
+    def spawn(
+        self, fn: Callable, world: int, *args: Any, timeout: float = GROUP_TIMEOUT_S, init_group: bool = True
+    ) -> list[Any]:
+        """`fn(rank, world, *args)` on `world` gloo ranks forked from the warm process (what
+        `train.tools.spawn.run_distributed` runs, without each rank's imports): each rank's result, in rank order.
+        `init_group=False`: no group is made; `fn` finds `env://` rendezvous (MASTER_ADDR/PORT, RANK, WORLD_SIZE)."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            torch.save((fn, args), f"{tmp}/call.pt")
+            req = {"call": f"{tmp}/call.pt", "nproc": world, "timeout": timeout, "out_dir": tmp}
+            req["init_group"] = init_group
+            rc, out, err = self._request(req, tmp)
+            self.groups[world] += 1
+            try:
+                return spawning.collect(tmp, world)
+            except RankError as e:
+                raise RankError(f"{e}\nexit code {rc}; the ranks' output:\n{out[-2000:]}\n{err[-4000:]}") from e
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+@dataclass
+class WarmRun:
+    """A trainer run on warm ranks, started by `WarmRanks.begin`: `pids` (rank order), `poll()` and `wait()` as a
+    `subprocess.Popen` has them. One at a time: the warm process answers nothing else until it ends."""
+
+    warm: WarmRanks
+    pids: list[int]
+    returncode: int | None = None
+
+    def poll(self) -> int | None:
+        import select
+
+        if self.returncode is None and select.select([self.warm.proc.stdout], [], [], 0)[0]:
+            self.returncode = self.warm._reply()["rc"]
+            self.warm.pending = None
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = time.monotonic() + (timeout if timeout is not None else LAUNCH_TIMEOUT_S)
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired("warm run", timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+
+WARM = WarmRanks()
+
+
 class Runs:
-    """Session memo of finished launches: one launch per distinct (recipe, overrides, nproc)."""
+    """Session memo of finished runs: one run per distinct (recipe, overrides, nproc)."""
 
     def __init__(self, root: Path) -> None:
         self.root, self.done = root, {}
@@ -209,9 +479,12 @@ def first_step(recipe: str | Path, *overrides: str, dtype: torch.dtype | None = 
 # ------------------------------------------------------------------------------------------------- process groups
 
 
-def spawn(fn: Callable[..., Any], world: int, *args: Any, raise_on_error: bool = True) -> list[Any]:
-    """`fn(rank, world, *args)` on `world` gloo processes; each rank's result, in rank order."""
-    return spawning.run_distributed(fn, world, *args, raise_on_error=raise_on_error)
+def spawn(fn: Callable[..., Any], world: int, *args: Any, init_group: bool = True) -> list[Any]:
+    """`fn(rank, world, *args)` on `world` gloo processes forked from the warm process (`fn` importable by name,
+    `args` picklable); each rank's result, in rank order. `init_group=False`: `fn` makes the process group itself
+    (env:// rendezvous is set). A rank's resident memory includes the warm process's imports: a test of a process's
+    memory starts processes of its own (`train.tools.spawn.run_distributed`)."""
+    return WARM.spawn(fn, world, *args, init_group=init_group)
 
 
 # world size -> the registering test module -> the jobs ("module:function") it registered for that world
@@ -221,7 +494,8 @@ JOBS: dict[int, dict[str, list[str]]] = {}
 def rank_job(*worlds: int) -> Callable:
     """Register `fn(rank, world) -> result` to run in the shared group of each of `worlds` (see the module
     docstring), on behalf of the test module that calls this. `fn` must be importable by name (module level of a
-    test module or of the package). Jobs that measure a process's memory need processes of their own: `spawn`."""
+    test module or of the package). Jobs that measure a process's resident memory need processes of their own
+    (`train.tools.spawn.run_distributed`)."""
     owner = sys._getframe(1).f_globals["__name__"]
 
     def register(fn: Callable) -> Callable:
@@ -253,7 +527,7 @@ def _run_jobs(rank: int, world: int, jobs: list[str]) -> dict[str, dict]:
 
 
 class Groups:
-    """The session's shared groups (the `group` fixture): spawned on first use per world size, running the jobs
+    """The session's shared groups (the `group` fixture): forked on first use per world size, running the jobs
     registered by the selected test modules."""
 
     def __init__(self, modules: set[str]) -> None:
@@ -269,7 +543,7 @@ class Groups:
         if world not in self.results:
             jobs = [j for owner, names in JOBS.get(world, {}).items() if owner in self.modules for j in names]
             t0 = time.perf_counter()
-            self.results[world] = spawn(_run_jobs, world, list(dict.fromkeys(jobs)))
+            self.results[world] = WARM.spawn(_run_jobs, world, list(dict.fromkeys(jobs)))
             self.spawn_seconds[world] = time.perf_counter() - t0
         ranks = [r.get(key) for r in self.results[world]]
         assert all(r is not None for r in ranks), f"{key} is not a rank_job({world}) of a selected test module"
@@ -278,6 +552,22 @@ class Groups:
             i, r = failed[0]
             raise RankError(f"{key}: rank {i} failed: {r['error']}\n{r['tb']}")
         return [r["ok"] for r in ranks]
+
+
+SESSION_DIR = "CTXTRAIN_TEST_SESSION_DIR"  # set by tests/conftest.py; the warm ranks inherit it
+
+
+def session_dir() -> Path:
+    """A folder for the whole test session (results computed once and read by later groups); inside a rank job the
+    session's own; a job run by hand makes one (in a process group: the same on every rank)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    if SESSION_DIR not in os.environ:
+        path = shared_tmpdir() if dist.is_initialized() else tempfile.mkdtemp(prefix="ctxtrain-session-")
+        os.environ[SESSION_DIR] = str(path)
+    return Path(os.environ[SESSION_DIR])
 
 
 def shared_tmpdir() -> Path:
@@ -348,3 +638,7 @@ def check_lora_reload(family: str, pipeline_dir: Path, lora_dir: Path, rank: int
     with torch.no_grad():
         torch.testing.assert_close(layer(x), layer.base_layer(x) + alpha / rank * (x @ a.T @ b.T))
     return pipe
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["serve"]:
+    serve()

@@ -45,7 +45,7 @@ TABLE: list[tuple[str, str, int, float, str]] = []
 TINY = "recipes/tiny/wan.yaml"
 QUIET = ("logging.wandb_mode=disabled", "logging.progress_bar=false", "train.max_steps=2")
 # The serial tiny-wan LoRA run (4 steps, a checkpoint after each, the last 3 kept) shared with tests/test_finetune.py
-# and tests/test_resume.py: identical overrides, one launch per session.
+# and tests/test_resume.py: identical overrides, one run per session.
 SERIAL = ("parallel.cp=1", "checkpoint.every_n_steps=1", "checkpoint.keep_last=3")
 
 

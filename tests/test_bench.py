@@ -3,15 +3,12 @@ shapes on CPU, activation memory under CP 4, collectives and bytes per attention
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from bench import comm, memory
-from tests.harness import rank_job
+from tests.harness import WARM, rank_job
 
 REPO = Path(__file__).resolve().parents[1]
 MEMORY_CASES = (("mid", "wan"), ("mid", "flux"))
@@ -28,13 +25,12 @@ def _memory_cp4(rank: int, world: int) -> dict:
 
 @pytest.mark.slow
 def test_gpu_script_smoke_runs_on_cpu() -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu_h200", "--smoke"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| smoke | (2, 8, 8) |" in proc.stdout and "| smoke, ckpt |" in proc.stdout
-    assert "| smoke, compile | (2, 8, 8) | 32 | off | on |" in proc.stdout  # the trainer's per-block compile
-    assert "| native | 0.0e+00 | 0.0e+00 | ok |" in proc.stdout  # the backend check ran (only native on CPU)
+    """`python -m bench.gpu_h200 --smoke`, one process (forked from the harness's warm process)."""
+    rc, stdout, stderr = WARM.run(["-m", "bench.gpu_h200", "--smoke"], 1, timeout=300)
+    assert rc == 0, stderr[-3000:]
+    assert "| smoke | (2, 8, 8) |" in stdout and "| smoke, ckpt |" in stdout
+    assert "| smoke, compile | (2, 8, 8) | 32 | off | on |" in stdout  # the trainer's per-block compile
+    assert "| native | 0.0e+00 | 0.0e+00 | ok |" in stdout  # the backend check ran (only native on CPU)
 
 
 def test_activation_memory_at_cp4_meets_the_target(group) -> None:

@@ -11,7 +11,7 @@ Ulysses 2, 3, 4; ring 2 x 1; ring 2 x Ulysses 2; ring 4 x 1. Per layout fp32; fp
 Ulysses 2, ring 2 x 1 and ring 2 x Ulysses 2; fp64 for the Ulysses layouts and ring 4 x 1 (exact up to rounding).
 Tiny models have 7 heads and token counts that 2, 3 and 4 do not divide. On the Ulysses fp32 run also: no size
 exchange in any layer (layout registry), the same result with the registry in verify mode, MEAN over CP is wrong
-(1/cp), and the collectives counted underneath torch.distributed (every c10d op, by a dispatch mode) are 4
+(1/cp, at CP 2), and the collectives counted underneath torch.distributed (every c10d op, by a dispatch mode) are 4
 all-to-alls per CP attention call, all of them through the model's transport. HunyuanVideo without its plan's
 `joint_key_mask` is refused on every rank.
 """
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.harness import rank_job
+from tests.harness import rank_job, session_dir
 from train.tools.oracle import Errors, compare, run_step
 from train.tools.tiny_models import FAMILY_NAMES, build_model, family_case, get_family
 
@@ -91,8 +91,16 @@ def _cp_attention_calls():
 
 
 def _serial(family: str, dtype: torch.dtype):
+    """The oracle's step on the pipeline-form inputs. Computed once per session, by rank 0 of the first group that
+    needs it (into the session folder, tests/harness.py `session_dir`); every rank of every group reads that result:
+    the same deterministic computation, not 2 + 3 + 4 copies of it on 2 cores."""
     inputs = family_case(family, seed=1, dtype=dtype, batch_size=2)
-    return inputs, run_step(build_model(family, seed=0, dtype=dtype), inputs)
+    path = session_dir() / f"oracle-{family}-{str(dtype).removeprefix('torch.')}.pt"
+    if dist.get_rank() == 0 and not path.exists():
+        torch.save(run_step(build_model(family, seed=0, dtype=dtype), inputs), path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").rename(path)  # whole or absent
+    dist.barrier()
+    return inputs, torch.load(path, weights_only=False)
 
 
 def _cp(family: str, dtype: torch.dtype, mesh, inputs, checkpointing: bool, extra: bool):
@@ -113,8 +121,11 @@ def _cp(family: str, dtype: torch.dtype, mesh, inputs, checkpointing: bool, extr
         collectives = sum(counter.ops.values()) - counter.ops["allreduce_"]  # the reduction's all-reduces aside
         info.update(attention=calls[0], ops=dict(counter.ops), transport=state.stats.calls, collectives=collectives)
         group = state.cp_group
-        mean = lambda ps: [dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=group) for p in ps if p.grad is not None]  # noqa: E731,E501
-        info["mean"] = run_step(model, inputs, reduce=mean)
+        if dist.get_world_size() == 2:  # MEAN's 1/cp error needs one degree to be seen
+            mean = lambda ps: [
+                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=group) for p in ps if p.grad is not None
+            ]  # noqa: E731,E501
+            info["mean"] = run_step(model, inputs, reduce=mean)
         state.layout.verify = True
         try:
             info["verified"] = run_step(model, inputs, reduce=reduction.reduce_gradients)
@@ -159,8 +170,9 @@ def _parity(rank: int, world: int) -> dict:
                 extra = layout[0] == 1 and variant == "fp32"
                 cp, info = _cp(family, dtype, mesh, inputs, checkpointing, extra)
                 errors = compare(cp, ref)
-                if extra:
+                if "mean" in info:
                     info["mean"] = min(compare(info["mean"], ref).grads.values())
+                if extra:
                     info["verified"] = compare(info["verified"], ref).grad
                 results[layout, family, variant] = (errors, info)
         if layout == (1, world) and world > 1:
@@ -209,8 +221,8 @@ def test_every_family_matches_the_pipeline_form_serial_run(group, world: int) ->
             if variant != "fp32":
                 continue
             assert info["verified"] <= tol, (where, "verify mode", info["verified"])
-            # MEAN over CP (what a plain DDP/FSDP setup does) is 1/cp of the right gradient.
-            assert info["mean"] >= 0.5 * (1 - 1 / world), (where, "MEAN matched", info["mean"])
+            # MEAN over CP (what a plain DDP/FSDP setup does) is 1/cp of the right gradient (checked at CP 2).
+            assert world != 2 or info["mean"] >= 0.5 * (1 - 1 / world), (where, "MEAN matched", info["mean"])
             # Counted under torch.distributed: 4 all-to-alls per CP attention call (Q/K/V, O, dO, dQ/dK/dV), and
             # every collective went through the model's transport (none issued around it).
             assert info["attention"] > 0 and info["ops"].get("alltoall_base_", 0) == 4 * info["attention"], info

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from tests.harness import WARM
 from train.config import recipe_from_dict
 from train.data.batches import check_text_lengths
 from train.data.dataset import BucketBatchSampler, CachedLatentDataset, collate, read_manifest
@@ -262,8 +260,10 @@ def test_interrupted_prepare_resumes_to_the_same_cache(media, wan, wan_cache, tm
         prepare(_settings("wan", wan, media[0], tmp_path / "c", {"fps": 8.0}), log=_quiet)
 
 
+@pytest.mark.slow
 def test_prepare_cli_on_two_processes_matches_one(tmp_path, wan):
-    """`python -m train.prepare` under torchrun (2 gloo processes, items sharded by rank) = an in-process run."""
+    """`python -m train.prepare` on 2 gloo ranks (as torchrun starts them: the harness's warm ranks, env://
+    rendezvous; items sharded by rank) = an in-process run."""
     make_media_set(tmp_path / "m", num_videos=3, frames=F, height=H, width=W, fps=FPS, metadata="csv")
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
@@ -271,12 +271,10 @@ def test_prepare_cli_on_two_processes_matches_one(tmp_path, wan):
         f"data: {{source: {tmp_path / 'm'}, height: {H}, width: {W}, num_frames: {F}, max_text_tokens: 16}}\n"
         "logging: {progress_bar: false}\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "train.prepare",
-           "--recipe", str(recipe), "--set", f"data.cache_dir={tmp_path / 'c2'}"]  # fmt: skip
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "3 ok (3 new, 0 reused), 0 bad" in out.stdout and f"{F}x{H}x{W}: 3" in out.stdout
+    argv = ["-m", "train.prepare", "--recipe", str(recipe), "--set", f"data.cache_dir={tmp_path / 'c2'}"]
+    rc, stdout, stderr = WARM.run(argv, 2, timeout=300)
+    assert rc == 0, stderr[-3000:]
+    assert "3 ok (3 new, 0 reused), 0 bad" in stdout and f"{F}x{H}x{W}: 3" in stdout
     assert read_manifest(tmp_path / "c2")["timing"]["processes"] == 2
     from train.config import load_recipe
 

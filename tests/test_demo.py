@@ -1,32 +1,37 @@
 """The README demo, end to end on CPU: media → cached latents (the demo recipe's tiny pipeline, Wan) → CP 2 training
 whose loss falls. Every step reads recipes/demo.yaml: `python -m train.demo --recipe ...` and `python -m
-train.prepare --recipe ...` as launch/demo.sh runs them, then the trainer through the harness's `python -m
-train.launch` with wandb offline (as the demo runs it)."""
+train.prepare --recipe ...` with launch/demo.sh's arguments (their `main`, in this process), then the trainer on 2
+ranks (the harness's warm ranks: the launch path to a run's end is tests/test_launch.py's two nodes) with wandb
+offline (as the demo runs it)."""
 
 from __future__ import annotations
 
+import importlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.harness import REPO, env, train
+import pytest
+
+from tests.harness import REPO, train
+
+DEMO = REPO / "recipes/demo.yaml"
 
 
-def _cli(*args: str) -> str:
-    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"{args}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return proc.stdout
+def _cli(module: str, capsys: pytest.CaptureFixture, *args: str) -> str:
+    """`python -m <module> <args>` in this process: the module's `main(argv)`; what it printed."""
+    capsys.readouterr()
+    importlib.import_module(module).main(list(args))
+    return capsys.readouterr().out
 
 
-def test_demo_media_to_cache_to_cp_training(tmp_path: Path, launcher) -> None:
+def test_demo_media_to_cache_to_cp_training(tmp_path: Path, launcher, capsys: pytest.CaptureFixture) -> None:
     assets, cache = tmp_path / "assets", tmp_path / "cache"
     paths = [f"model.pretrained_path={assets / 'pipeline'}", f"data.source={assets / 'media'}",
              f"data.cache_dir={cache}"]  # fmt: skip
     sets = [f"--set={p}" for p in paths]
-    out = _cli("-m", "train.demo", "--recipe", "recipes/demo.yaml", *sets)  # the family and sizes of the recipe
+    out = _cli("train.demo", capsys, "--recipe", str(DEMO), *sets)  # the family and sizes of the recipe
     assert "tiny wan pipeline" in out and (assets / "pipeline" / "model_index.json").exists()
-    out = _cli("-m", "train.prepare", "--recipe", "recipes/demo.yaml", *sets)
+    out = _cli("train.prepare", capsys, "--recipe", str(DEMO), *sets)
     assert "16 ok" in out and "0 bad" in out
     manifest = json.loads((cache / "manifest.json").read_text())
     assert manifest["family"] == "wan" and len(list((cache / "samples").glob("*.safetensors"))) == 16

@@ -1,13 +1,13 @@
-"""Every discovered family end to end with its tiny pipeline, one trainer launch each; and HunyuanVideo exact through
+"""Every discovered family end to end with its tiny pipeline, one trainer run each; and HunyuanVideo exact through
 the trainer under every CP layout.
 
-Per family: media → `train.prepare` (the family's own VAE / text encoders, tiny) → ONE launch under CP
-(`python -m train.launch`, LoRA, 2 steps, batch 2) from that cache, whose
+Per family: media → `train.prepare` (the family's own VAE / text encoders, tiny) → ONE trainer run under CP
+(train/finetune.py's ranks, tests/harness.py `train`; LoRA, 2 steps, batch 2) from that cache, whose
 (a) step-1 loss and grad_norm equal the serial oracle's (tests/harness.py `first_step`: the same recipe's first
     optimizer step in this process, with the trainer's own pieces and no CP / FSDP / launcher) within 1e-5 relative,
 (b) step-2 loss differs from step 1's (the run went on),
 (c) LoRA export reloads into the family's diffusers pipeline with the trained values and scale (`check_lora_reload`).
-The launches run CP 2 (`LAUNCH`); CP 3, 4 and ring 2 × Ulysses 2 run through the trainer in the HunyuanVideo exact
+The runs are CP 2 (`LAUNCH`); CP 3, 4 and ring 2 × Ulysses 2 run through the trainer in the HunyuanVideo exact
 test. Captions of different token lengths (so batches carry real padded text masks), caption dropout for
 HunyuanVideo and MiniMax-H3 (checked: step 1 drops a caption and keeps one), MiniMax-H3 at batch 1 with 2
 micro-batches (it packs one text length per batch). Wan 2.2 A14B trains its low-noise expert (`model.subfolder:
@@ -48,7 +48,7 @@ from train.prepare import prepare
 # `_check_dropout` asserts it, so a change of the draws fails loudly instead of testing less.
 DROPOUT = "train.caption_dropout=0.5"
 CP2 = (2, ("parallel.cp=2",))
-# family -> (processes, overrides) of its one launch; every other family: CP 2, the cheapest (a 4-rank launch costs
+# family -> (processes, overrides) of its one run; every other family: CP 2, the cheapest (a 4-rank run costs
 # 2.5 × a 2-rank one on 2 cores). The trainer at CP 3, 4 and ring 2 × Ulysses 2 is the HunyuanVideo exact test's;
 # every family at every layout, model level, is tests/test_cp_models.py's.
 LAUNCH: dict[str, tuple[int, tuple[str, ...]]] = {

@@ -1,8 +1,8 @@
-"""The trainer through its real entry point (`python -m train.launch ... train/finetune.py`, tests/harness.py) on CPU.
+"""The trainer's ranks (train/finetune.py's entry, forked warm by tests/harness.py `train`) on CPU.
 
 A CP run must be indistinguishable, step by step, from the single-process run of the same recipe and seed:
-per-step loss and grad_norm within 1e-5 relative (`assert_same_steps`). Launches go through the session's `runs`
-(one launch per distinct command), and the serial references are shared: the 4-step serial tiny-wan LoRA run
+per-step loss and grad_norm within 1e-5 relative (`assert_same_steps`). Runs go through the session's `runs`
+(one run per distinct command), and the serial references are shared: the 4-step serial tiny-wan LoRA run
 (`SERIAL`) is the reference of CP 2, the activation levers and compile here, of the two-"node" run of
 tests/test_launch.py, of the samples in tests/test_validation.py and of the bf16 run in tests/test_runtime.py, and the
 checkpointed run that tests/test_resume.py and tests/test_bad_inputs.py resume; the CP 2 LoRA run (`CP2`, wandb

@@ -5,7 +5,7 @@ The localhost run starts `launch/multi_node.sh` twice (NODE_RANK 0 and 1, 2 proc
 gloo ranks in one CP group (parallel.cp=4) laid out as the scripts intend, ring 2 across the "nodes" and Ulysses 2
 inside each (parallel.cp_ring=2). Its per-step loss and grad norm must equal, within 1e-5 relative, those of the
 single-process run of the same recipe: tests/test_finetune.py's serial tiny-wan LoRA run, shared through `runs`
-(identical overrides, one launch per session).
+(identical overrides, one run per session).
 """
 
 from __future__ import annotations

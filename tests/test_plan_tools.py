@@ -1,22 +1,23 @@
 """The plan tools: `python -m train.tools.draft_plan` drafts plans that `python -m train.tools.check_plan` passes and
 that equal the shipped plans up to stated edits; check_plan fails broken plans, naming the module path.
 
-All check cases run in one spawned gloo group per degree (2 and 3): the shipped plans of Wan, Flux and SkyReels V2
-(which the drafts of Flux and SkyReels V2 equal, resolved), Wan's draft, and two broken Wan plans (RoPE tables not
-split; no gather). HunyuanVideo's draft equals its shipped plan, joint key mask included.
+All check cases run check_plan's own rank function in the shared gloo groups of 2 and 3 ranks (tests/harness.py): the
+shipped plans of Wan, Flux and SkyReels V2 (which the drafts of Flux and SkyReels V2 equal, resolved), Wan's draft, and
+two broken Wan plans (RoPE tables not split; no gather). HunyuanVideo's draft equals its shipped plan, joint key mask
+included.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from pathlib import Path
 
 import pytest
 
+from tests.harness import rank_job, shared_tmpdir
 from train.cp.plans import PLAN_DIR, load_plan_file, resolve_plan
-from train.tools.check_plan import Case, check, format_report, verdict
+from train.tools.check_plan import Case, check_rank, format_report, merge_ranks, verdict
 from train.tools.check_plan import main as check_main
 from train.tools.draft_plan import draft, settings_diff
 from train.tools.draft_plan import main as draft_main
@@ -32,25 +33,17 @@ MODELS = {
 DRAFT_ONLY = {"HunyuanVideoTransformer3DModel": ("hunyuan_video.yaml", set())}  # its joint key mask
 
 
-@functools.cache
-def _drafts(tmp: str) -> dict[str, Path]:
+def _drafts(folder: Path) -> dict[str, Path]:
     out = {}
     for cls in {**MODELS, **DRAFT_ONLY}:
-        path = Path(tmp) / f"{cls}.yaml"
+        path = folder / f"{cls}.yaml"
         path.write_text(draft(resolve_source(cls)).yaml(f"python -m train.tools.draft_plan {cls}"))
         out[cls] = path
     return out
 
 
-@pytest.fixture(scope="module")
-def drafts(tmp_path_factory) -> dict[str, Path]:
-    return _drafts(str(tmp_path_factory.mktemp("drafts")))
-
-
-@pytest.fixture(scope="module")
-def broken(tmp_path_factory) -> dict[str, Path]:
+def _broken(folder: Path) -> dict[str, Path]:
     text = (PLAN_DIR / "wan.yaml").read_text()
-    folder = tmp_path_factory.mktemp("broken")
     no_rope = re.sub(r"  rope:\n    split_outputs:\n(      \d: .*\n)+", "", text)
     no_gather = re.sub(r"  proj_out:\n    gather: .*\n", "", text)
     assert no_rope != text and no_gather != text
@@ -59,14 +52,36 @@ def broken(tmp_path_factory) -> dict[str, Path]:
     return {"no_rope": folder / "no_rope.yaml", "no_gather": folder / "no_gather.yaml"}
 
 
-@pytest.fixture(scope="module")
-def checked(drafts, broken):
-    # Drafts that resolve equal to the shipped plan (test above) are checked once, as the shipped file; Wan's draft
-    # (without the TI2V timestep entry) is checked too.
+def _cases(drafts: dict[str, Path], broken: dict[str, Path]) -> list[Case]:
+    # Drafts that resolve equal to the shipped plan (test below) are checked once, as the shipped file; Wan's draft
+    # (without the TI2V timestep entry) is checked too; the broken plans last.
     cases = [Case(str(PLAN_DIR / plan), cls) for cls, (plan, _) in MODELS.items()]
     cases += [Case(str(drafts["WanTransformer3DModel"]), "WanTransformer3DModel")]
-    cases += [Case(str(broken[k]), "WanTransformer3DModel") for k in ("no_rope", "no_gather")]
-    return cases, check(cases, (2, 3))
+    return cases + [Case(str(broken[k]), "WanTransformer3DModel") for k in ("no_rope", "no_gather")]
+
+
+@rank_job(2, 3)
+def _check_cases(rank: int, world: int) -> list[dict]:
+    """check_plan's own rank function on every case, in the shared group (the tool spawns one group per degree)."""
+    import torch.distributed as dist
+
+    folder = shared_tmpdir()
+    if rank == 0:
+        _drafts(folder), _broken(folder)
+    dist.barrier()
+    drafts = {cls: folder / f"{cls}.yaml" for cls in MODELS}
+    return check_rank(rank, world, _cases(drafts, {k: folder / f"{k}.yaml" for k in ("no_rope", "no_gather")}))
+
+
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory) -> dict[str, Path]:
+    return _drafts(tmp_path_factory.mktemp("drafts"))
+
+
+@pytest.fixture(scope="module")
+def checked(group) -> dict[int, list[dict]]:
+    """Per degree, one merged result per case of `_cases` (check_plan's `merge_ranks`)."""
+    return {world: merge_ranks(group(_check_cases, world)) for world in (2, 3)}
 
 
 def test_drafts_equal_shipped_plans_up_to_stated_edits(drafts) -> None:
@@ -85,8 +100,8 @@ def test_drafts_equal_shipped_plans_up_to_stated_edits(drafts) -> None:
 
 
 def test_check_plan_passes_shipped_and_drafted_plans(checked) -> None:
-    cases, results = checked
-    for i in range(len(cases) - 2):
+    results = checked
+    for i in range(len(results[2]) - 2):
         report = format_report(results, i)
         print(report)
         assert verdict(results, i), report
@@ -96,8 +111,8 @@ def test_check_plan_passes_shipped_and_drafted_plans(checked) -> None:
 
 
 def test_check_plan_fails_broken_plans_naming_the_module(checked) -> None:
-    cases, results = checked
-    no_rope, no_gather = len(cases) - 2, len(cases) - 1
+    results = checked
+    no_rope, no_gather = len(results[2]) - 2, len(results[2]) - 1
     report = format_report(results, no_rope)
     assert not verdict(results, no_rope)
     assert "forward failed in blocks.0.attn1" in report and "made by rope output 0" in report, report

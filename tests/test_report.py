@@ -19,7 +19,7 @@ CHARTS = {"loss", "grad_norm", "lr", "tokens_per_s", "peak_memory"}
 
 
 # The CP 2 tiny-wan LoRA run with wandb offline (4 steps, a checkpoint after each) that tests/test_finetune.py and
-# tests/test_validation.py share: identical overrides, one launch per session.
+# tests/test_validation.py share: identical overrides, one run per session.
 CP2 = ("parallel.cp=2", "logging.wandb_mode=offline", "checkpoint.every_n_steps=1", "checkpoint.keep_last=3")
 
 

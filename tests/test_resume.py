@@ -70,7 +70,7 @@ def test_applied_changes_and_layout_notes() -> None:
 
 
 # The serial tiny-wan LoRA run (4 steps, a checkpoint after each, the last 3 kept) that tests/test_finetune.py and
-# tests/test_bad_inputs.py share: identical overrides, one launch per session.
+# tests/test_bad_inputs.py share: identical overrides, one run per session.
 SERIAL = ("parallel.cp=1", "checkpoint.every_n_steps=1", "checkpoint.keep_last=3")
 
 

@@ -1,8 +1,10 @@
 """train/runtime.py: one run per output_dir, the process-group timeout, the hang watchdog and no orphans.
 
 The fault cases run the real entry point (`python -m train.launch ... train/finetune.py`, the harness's command line,
-~10-25 s each on 2 cores) in the background: a second run into a running run's output_dir, SIGKILL of the launcher,
-SIGSTOP of one rank. Every wait is on the event (a logged step, a pid gone: `wait_until`), never a fixed sleep.
+~10-25 s each on 2 cores) in the background: SIGKILL of the launcher, SIGSTOP of one rank. A second run into a running
+run's output_dir is refused by the trainer itself (its ranks forked by the harness: a UserError on every rank after the
+process group exists, the delivery path tests/test_bad_inputs.py launches as `cache_sample_truncated`). Every wait is on
+the event (a logged step, a pid gone: `wait_until`), never a fixed sleep.
 
 Two long runs (`jobs`, one launch each) serve the three job tests. The stopped run starts first; once it has logged a
 step its rank 1 is SIGSTOPped, and while its watchdog timeout and torchrun's 30 s teardown grace run out (idle waits),
@@ -19,8 +21,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
-import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,12 +28,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.harness import REPO, env, launch_command, wait_until
+from tests.harness import REPO, env, launch_command, spawn, train, wait_until
+from train import runtime
 from train.errors import UserError
 from train.runtime import LOCK_NAME, OutputLock, diagnose
 
 TINY = "recipes/tiny/wan.yaml"
-# tests/test_finetune.py's serial tiny-wan LoRA run (4 steps, a checkpoint after each): identical overrides, one launch
+# tests/test_finetune.py's serial tiny-wan LoRA run (4 steps, a checkpoint after each): identical overrides, one run
 SERIAL = ("parallel.cp=1", "checkpoint.every_n_steps=1", "checkpoint.keep_last=3")
 # the long run's memory check (a prediction far over a 0.0001 GiB device: warned, not refused) and bf16 autocast
 MEMORY_BF16 = ("parallel.device_memory_gib=0.0001", "parallel.memory_check=warn", "train.mixed_precision=bf16")
@@ -128,44 +129,37 @@ def test_diagnose_names_silent_and_late_ranks() -> None:
     assert diagnose(0, 5, 7, first, second) == [1, 2, 4]  # 4 never published
 
 
+def _timeout_rank(rank: int, world: int, done: str) -> str | None:
+    """init_processes' group with parallel.timeout_s=3 (no grace); rank 1's all-reduce, which rank 0 never joins
+    (it waits for rank 1's `done` file instead)."""
+    import torch
+    import torch.distributed as dist
+
+    from train.config import load_recipe
+    from train.finetune import init_processes
+
+    runtime.PG_GRACE_S = 0  # the grace only orders the watchdog before the group; the recipe's value must arrive
+    init_processes(load_recipe(REPO / "recipes/tiny/wan.yaml", ["parallel.timeout_s=3", "logging.wandb_mode=disabled"]))
+    if dist.get_rank() == 0:
+        wait_until(lambda: Path(done).exists(), "rank 1's end", 300)
+        return None
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1))
+        said = "no error"
+    except Exception as e:  # noqa: BLE001 — what the test reads
+        said = f"failed after {time.monotonic() - t0:.1f} s: {e}"
+    Path(done).touch()
+    return said
+
+
 def test_process_group_timeout_reaches_gloo(tmp_path: Path, launcher) -> None:
     """init_processes' group (adopted by accelerate) carries parallel.timeout_s: a collective a peer never joins
-    fails after that time instead of hanging."""
-    code = textwrap.dedent("""
-        import os, sys, threading, time, torch, torch.distributed as dist
-        from train import runtime
-        from train.config import load_recipe
-        from train.finetune import init_processes
-        runtime.PG_GRACE_S = 0  # the grace only orders the watchdog before the group; the recipe's value must arrive
-        init_processes(load_recipe("recipes/tiny/wan.yaml", ["parallel.timeout_s=3", "logging.wandb_mode=disabled"]))
-        if dist.get_rank() == 0:
-            threading.Event().wait()  # never joins the collective; the test kills it
-        else:
-            t0 = time.monotonic()
-            try:
-                dist.all_reduce(torch.ones(1))
-                print("no error")
-            except Exception as e:
-                print(f"failed after {time.monotonic() - t0:.1f} s: {e}")
-        sys.stdout.flush()
-        os._exit(0)
-    """)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ranks = env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", PYTHONPATH=str(REPO))
-    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**ranks, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]  # fmt: skip
-    try:
-        out = procs[1].communicate(timeout=300)[0]
-    finally:
-        kill_all([p.pid for p in procs])
-        for p in procs:
-            p.wait(timeout=60)
-    line = [x for x in out.splitlines() if x.startswith(("failed after", "no error"))]
-    assert line and line[0].startswith("failed after"), out[-3000:]
+    fails after that time instead of hanging (2 ranks, env:// rendezvous, forked from the harness's warm process)."""
+    said = spawn(_timeout_rank, 2, str(tmp_path / "done"), init_group=False)[1]
+    assert said.startswith("failed after"), said
     # 3 s, not torch's 30 min nor accelerate's 10: generous above for a loaded machine
-    assert 2.5 <= float(line[0].split()[2]) <= 30, line[0]
+    assert 2.5 <= float(said.split()[2]) <= 30, said
 
 
 # The stopped run's watchdog timeout: > 5 × the slowest step seen (the first, 1.3 s on a 2-core machine at load 8); it
@@ -242,7 +236,7 @@ def test_memory_warning_and_bf16_autocast(jobs) -> None:
     assert 1e-5 < max(rel) < 5e-2, rel
 
 
-def test_second_run_refused_and_launcher_death_leaves_no_rank(jobs, tmp_path: Path, launcher) -> None:
+def test_second_run_refused_and_launcher_death_leaves_no_rank(jobs, launcher) -> None:
     first, ranks, out, log, stale = (jobs["long"][k] for k in ("proc", "ranks", "out", "log", "stale"))
     holder = json.loads((out / LOCK_NAME).read_text())
     assert holder["pid"] in ranks and len(ranks) == 2, (holder, ranks)
@@ -251,11 +245,10 @@ def test_second_run_refused_and_launcher_death_leaves_no_rank(jobs, tmp_path: Pa
     )
 
     t0 = time.monotonic()
-    second = start(out, tmp_path / "second.log")
-    rc = second.wait(timeout=180)
-    second_log = (tmp_path / "second.log").read_text()
-    errors = [x for x in second_log.splitlines() if x.startswith("error:")]
-    assert rc != 0 and len(errors) == 1, second_log[-4000:]
+    # the second run's ranks (the harness's warm ranks): the refusal is the trainer's (see the module docstring)
+    second = train(out, TINY, "train.max_steps=1000000", nproc=2, check=False, timeout=180)
+    errors = second.errors
+    assert second.rc == 2 and len(errors) == 1, second.log[-4000:]
     assert f"in use by another run (host {holder['host']}, pid {holder['pid']}" in errors[0], errors
     print(f"second run refused in {time.monotonic() - t0:.1f} s: {errors[0]}")
     assert first.poll() is None and all(alive(p) for p in ranks)  # the refused run did not disturb the first

@@ -42,7 +42,7 @@ SAMPLE_STEPS = (0, 2, 4)
 STEP0_TOL = 1e-6  # float frames at step 0, CP 2 vs the single-process validation (the same weights; FLUX.1)
 CP_TOL = 1e-4  # float frames, CP 2 vs the serial run's weights (equal to float rounding of the reductions)
 RELOAD_TOL = 1e-5  # the run's sample vs a fresh diffusers pipeline with the exported weights (FACTS: ~2e-6)
-# tests/test_finetune.py's runs (identical overrides: one launch each per session): a checkpoint after every step
+# tests/test_finetune.py's runs (identical overrides: one run each per session): a checkpoint after every step
 CKPT = ("checkpoint.every_n_steps=1", "checkpoint.keep_last=3")
 SERIAL = ("parallel.cp=1", *CKPT)
 CP2 = ("parallel.cp=2", "logging.wandb_mode=offline", *CKPT)
@@ -50,7 +50,7 @@ CP2 = ("parallel.cp=2", "logging.wandb_mode=offline", *CKPT)
 
 @pytest.fixture
 def wan(runs, tiny_pipeline) -> dict:
-    """The Wan runs: CP 2 with validation (one launch), and tests/test_finetune.py's CP 2 (without validation) and
+    """The Wan runs: CP 2 with validation (one run), and tests/test_finetune.py's CP 2 (without validation) and
     serial runs."""
     pipeline = tiny_pipeline("wan")
     done = {"pipeline": pipeline, "cp2": runs(TINY, *CP2, f"model.pretrained_path={pipeline}", VALIDATION, nproc=2),

@@ -467,7 +467,9 @@ def run_cli() -> int:
     return 0
 
 
-if __name__ == "__main__":
+def run_rank() -> None:
+    """What every rank a launcher starts runs after the preflight (`accelerate launch train/finetune.py ...`, and the
+    test harness's warm ranks): tied to its launcher, main() with one-line user errors, no interpreter teardown."""
     runtime.die_with_launcher()  # SIGKILL of `accelerate launch` takes its ranks along: no orphans
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # diffusers transformers return reshaped views; FSDP2 warns on every forward. The trainer never modifies the
@@ -477,3 +479,7 @@ if __name__ == "__main__":
     # Everything is written and the process group is destroyed. Skip the interpreter's teardown: gloo's background
     # threads were seen to abort a finished process there ("terminate called without an active exception").
     runtime.exit(code)  # after the exit hooks (the output_dir lock's release) and a flush
+
+
+if __name__ == "__main__":
+    run_rank()

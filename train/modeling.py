@@ -15,6 +15,7 @@ on every rank and in every layout (and small: every rank holds them whole and ke
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import inspect
@@ -153,8 +154,13 @@ def apply_finetune(model: torch.nn.Module, cfg: FinetuneConfig, spec: FamilySpec
 
         model.requires_grad_(False)
         targets = list(cfg.lora_targets or spec.lora_targets)
-        model.add_adapter(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                                     target_modules=targets, init_lora_weights=True))  # fmt: skip
+        config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                            target_modules=targets, init_lora_weights=True)  # fmt: skip
+        # peft makes each adapter on the default device, initialises it, then moves it to its base layer's device: on
+        # a meta model, make them on meta (a 14B model's 320 adapters: ~4 s of CPU init for values never read)
+        meta = next(model.parameters()).is_meta
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            model.add_adapter(config)
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.float()

@@ -275,7 +275,7 @@ def _check_entries(spec, model, cp: _Recorder, serial: _Recorder, rank: int, wor
     return rows
 
 
-def _check_rank(rank: int, world: int, cases: list[Case], tol: float) -> list[dict]:
+def check_rank(rank: int, world: int, cases: list[Case], tol: float = TOL) -> list[dict]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -342,27 +342,29 @@ def _check_rank(rank: int, world: int, cases: list[Case], tol: float) -> list[di
 
 def check(cases: list[Case], degrees: Sequence[int] = (2, 3), tol: float = TOL) -> dict[int, list[dict]]:
     """Run every case at every degree (one spawned gloo group per degree, all cases in it); per degree, one merged
-    result per case: rows with the worst error over ranks, rank 0's output/loss/gradient errors."""
+    result per case (`merge_ranks`)."""
     from train.tools.spawn import run_distributed
 
-    merged: dict[int, list[dict]] = {}
-    for world in degrees:
-        ranks = run_distributed(_check_rank, world, cases, tol)
-        per_case = []
-        for i in range(len(cases)):
-            res = dict(ranks[0][i])
-            rows = [dict(r) for r in res["rows"]]
-            for other in ranks[1:]:
-                for row, o in zip(rows, other[i]["rows"]):
-                    row["ok"] = row["ok"] and o["ok"]
-                    if o["err"] is not None and (row["err"] is None or o["err"] > row["err"]):
-                        row["err"] = o["err"]
-                if other[i]["error"] and not res["error"]:
-                    res.update(error=other[i]["error"], where=other[i]["where"], diagnosis=other[i]["diagnosis"])
-            res["rows"] = rows
-            per_case.append(res)
-        merged[world] = per_case
-    return merged
+    return {world: merge_ranks(run_distributed(check_rank, world, cases, tol)) for world in degrees}
+
+
+def merge_ranks(ranks: list[list[dict]]) -> list[dict]:
+    """`check_rank`'s per-rank results, one per case: rows with the worst error over ranks, rank 0's output, loss
+    and gradient errors, the first rank's failure."""
+    per_case = []
+    for i in range(len(ranks[0])):
+        res = dict(ranks[0][i])
+        rows = [dict(r) for r in res["rows"]]
+        for other in ranks[1:]:
+            for row, o in zip(rows, other[i]["rows"]):
+                row["ok"] = row["ok"] and o["ok"]
+                if o["err"] is not None and (row["err"] is None or o["err"] > row["err"]):
+                    row["err"] = o["err"]
+            if other[i]["error"] and not res["error"]:
+                res.update(error=other[i]["error"], where=other[i]["where"], diagnosis=other[i]["diagnosis"])
+        res["rows"] = rows
+        per_case.append(res)
+    return per_case
 
 
 def verdict(results: dict[int, list[dict]], index: int = 0, tol: float = TOL) -> bool:

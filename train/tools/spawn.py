@@ -30,7 +30,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+def rank_entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+    """One rank: joins the gloo group on `port`, runs `fn(rank, world, *args)`, writes its result (or failure) to
+    `out_dir/rank<r>.pt` and leaves the process."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)  # N ranks share 2 cores
@@ -63,18 +65,24 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any, raise_on_err
     """
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.start_processes(_entry, args=(world, _free_port(), out_dir, fn, args), nprocs=world,
+            mp.start_processes(rank_entry, args=(world, _free_port(), out_dir, fn, args), nprocs=world,
                                start_method="spawn", join=True)  # fmt: skip
         except mp.ProcessRaisedException:
             if raise_on_error:
                 pass  # the per-rank files below carry the full story
         except mp.ProcessExitedException as e:
             raise RankError(f"a rank died: {e}") from e
-        results = []
-        for r in range(world):
-            f = Path(out_dir) / f"rank{r}.pt"
-            rec = torch.load(f, weights_only=False) if f.exists() else {"ok": False, "error": "no result", "tb": ""}
-            if not rec["ok"] and raise_on_error:
-                raise RankError(f"rank {r} failed: {rec['error']}\n{rec['tb']}")
-            results.append(rec["result"] if rec["ok"] else {"error": rec["error"], "tb": rec["tb"]})
-        return results
+        return collect(out_dir, world, raise_on_error)
+
+
+def collect(out_dir: str | Path, world: int, raise_on_error: bool = True) -> list[Any]:
+    """Each rank's result from `out_dir` (rank order); a failed or silent rank raises, or with `raise_on_error=False`
+    gives `{"error": ..., "tb": ...}`."""
+    results = []
+    for r in range(world):
+        f = Path(out_dir) / f"rank{r}.pt"
+        rec = torch.load(f, weights_only=False) if f.exists() else {"ok": False, "error": "no result", "tb": ""}
+        if not rec["ok"] and raise_on_error:
+            raise RankError(f"rank {r} failed: {rec['error']}\n{rec['tb']}")
+        results.append(rec["result"] if rec["ok"] else {"error": rec["error"], "tb": rec["tb"]})
+    return results
