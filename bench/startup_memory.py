@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,9 +111,12 @@ def measure(
     tokens: at SHAPES the step takes ~3 min at 30 blocks, at SHORT_SHAPES well under 1 min. The activations at
     SHAPES are ~1-2% of the model, so the fraction is weights and FSDP's working set either way."""
     folder = work / "mid"
-    model_bytes = build_mid_folder(folder, layers)
-    base = launch_peak(work / "base", nproc, "recipes/tiny/wan.yaml", "parallel.cp=2", "train.max_steps=1",
-                       "checkpoint.export=none")  # fmt: skip
+    # The tiny launch runs while the folder is written (its own processes: their peaks are theirs alone).
+    with ThreadPoolExecutor(1) as pool:
+        baseline = pool.submit(launch_peak, work / "base", nproc, "recipes/tiny/wan.yaml", "parallel.cp=2",
+                               "train.max_steps=1", "checkpoint.export=none")  # fmt: skip
+        model_bytes = build_mid_folder(folder, layers)
+        base = baseline.result()
     result = {"model_bytes": model_bytes, "baseline_bytes": base, "layers": layers, "method": method, "nproc": nproc}
     for sharded in paths:
         peak = launch_peak(work / f"run_{sharded}", nproc, "recipes/tiny/wan.yaml",

@@ -13,7 +13,8 @@ One table of cases (a broken recipe, path, cache, plan, checkpoint, ...), checke
   -m train.launch ... train/finetune.py`, 1 or 2 processes, the 2-process ones where the error arises after the process
   group exists; `python -m train.prepare`, `python -m train.estimate`): exit code 2 (train.launch exits with the
   rank's code), exactly one `error:` line (argparse's read `prog: error:`) holding the words, no traceback (ours or
-  the launcher's), within TIME_LIMIT_S on this loaded 2-core machine.
+  the launcher's), within TIME_LIMIT_S on this loaded 2-core machine. They run two at a time (`entry_runs`), each
+  into an output_dir of its own.
 
 `pytest -s tests/test_bad_inputs.py` prints the table (case, how, exit code, seconds, message). Shared setup, built
 once in-process: the session's tiny wan pipeline, two clips and their cache (train.demo + train.prepare) and broken
@@ -30,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,7 +66,7 @@ class Case:
 
 
 def trainer(id, *sets, words, nproc=1, recipe=TINY, **kw) -> Case:
-    base = (*QUIET, "output_dir={tmp}/out") + (("parallel.cp=1",) if nproc == 1 and recipe == TINY else ())
+    base = (*QUIET, "output_dir={out}") + (("parallel.cp=1",) if nproc == 1 and recipe == TINY else ())
     return Case(id, "train", (), words, nproc=nproc, recipe=recipe, sets=(*base, *sets), **kw)
 
 
@@ -335,7 +337,7 @@ def where(tmp_path_factory, tiny_pipeline) -> dict[str, Path]:
     (tmp / "badmeta" / "metadata.jsonl").write_text(
         "\n".join([lines[0], '{"file_name": "x.mp4", "text": ', *lines[2:]])
     )
-    return {"tmp": tmp, "pipe": pipe, "media": media, "cache": cache}
+    return {"tmp": tmp, "pipe": pipe, "media": media, "cache": cache, "out": tmp / "out"}
 
 
 def _with_checkpoints(case: Case, where: dict[str, Path], request: pytest.FixtureRequest) -> dict[str, Path]:
@@ -485,14 +487,35 @@ def _command(case: Case, where: dict[str, Path]) -> list[str]:
     return [*cmd[:script], *case.launcher, *cmd[script:]]
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES if c.launch])
-def test_entry_point(case: Case, where: dict[str, Path], launcher, request: pytest.FixtureRequest) -> None:
-    paths = _with_checkpoints(case, where, request)
-    before = (paths["ckpt_run"] / "metrics.jsonl").read_text() if _needs_run(case) else None
-    t0 = time.perf_counter()
-    proc = subprocess.run(_command(case, paths), cwd=REPO, env=env(**case.env), capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    seconds = time.perf_counter() - t0
+LAUNCHED = [c for c in CASES if c.launch]
+# Two entry points at a time, the longest (2-process) first: each is mostly one process importing, one core of the two.
+AT_ONCE = 2
+
+
+@pytest.fixture(scope="module")
+def entry_runs(where: dict[str, Path], request: pytest.FixtureRequest) -> dict[str, tuple]:
+    """The selected `test_entry_point` cases through their entry points, AT_ONCE at a time, each into an output_dir
+    of its own: case id -> (the finished process, seconds, the checkpointed run's metrics before it, its paths)."""
+    ids = {item.callspec.params["case"].id for item in request.session.items
+           if item.module is request.module and item.originalname == "test_entry_point"}  # fmt: skip
+    cases = sorted((c for c in LAUNCHED if c.id in ids), key=lambda c: -c.nproc)
+    paths = {c.id: {**_with_checkpoints(c, where, request), "out": where["tmp"] / "out" / c.id} for c in cases}
+    before = {c.id: (paths[c.id]["ckpt_run"] / "metrics.jsonl").read_text() if _needs_run(c) else None for c in cases}
+
+    def launch(case: Case) -> tuple[subprocess.CompletedProcess, float]:
+        t0 = time.perf_counter()
+        proc = subprocess.run(_command(case, paths[case.id]), cwd=REPO, env=env(**case.env), capture_output=True,
+                              text=True, timeout=600)  # fmt: skip
+        return proc, time.perf_counter() - t0
+
+    with ThreadPoolExecutor(AT_ONCE) as pool:
+        done = dict(zip([c.id for c in cases], pool.map(launch, cases), strict=True))
+    return {i: (*done[i], before[i], paths[i]) for i in done}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in LAUNCHED])
+def test_entry_point(case: Case, entry_runs: dict[str, tuple], launcher) -> None:
+    proc, seconds, before, paths = entry_runs[case.id]
     out = proc.stdout + proc.stderr
     lines = [line for line in proc.stderr.splitlines() if ERROR_LINE.match(line)]
     code = proc.returncode

@@ -151,8 +151,9 @@ def test_startup_and_first_step_memory_per_rank(tmp_path: Path) -> None:
     blocks in flight), so a shallower model measures more (0.46 at 16 blocks, 0.75 at 6), not the 1.3B's number.
     The step is one sample of 2 video tokens (1 per rank) and 2 text tokens (bench SHORT_SHAPES): on an AVX2 CPU the
     bf16 backward through the frozen linears is a scalar gemm, linear in the tokens, so the bench's default 32 tokens
-    cost ~3 min more, for +0.035 (their activations). ~2 min on an idle 2-core machine: writing the 2.8 GB folder
-    (~10 s), a tiny baseline launch (~25 s), the measured launch (~85 s)."""
+    cost ~3 min more, for +0.035 (their activations). ~2 min on an idle 2-core machine: the tiny baseline launch
+    while the 2.8 GB folder is written (~25 s), then the measured launch (~95 s, ~55 s of it the step: FSDP's
+    all-gathers of the bf16 blocks over gloo)."""
     from bench.startup_memory import SHORT_SHAPES, measure
 
     r = measure(tmp_path, layers=30, method="lora", nproc=4, paths=(True,), shapes=SHORT_SHAPES)

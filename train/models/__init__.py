@@ -29,6 +29,7 @@ model) before it runs one of its functions.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import json
@@ -120,10 +121,14 @@ def cache_reads(name: str) -> CacheReads:
 
 def tiny_config(name: str) -> dict[str, Any]:
     """The tiny transformer's init config of family ``name`` (7 heads of dim 8, 1-2 layers): ``model.init_config`` of
-    its tiny recipe ``recipes/tiny/<family>.yaml``, read fresh on every call (plain YAML: lists, not tuples)."""
+    its tiny recipe ``recipes/tiny/<family>.yaml`` (plain YAML: lists, not tuples), a fresh copy on every call."""
     _check_known(name)
-    recipe = yaml.safe_load((TINY_RECIPES / f"{name}.yaml").read_text())
-    return dict(recipe["model"]["init_config"])
+    return copy.deepcopy(_tiny_init_config(name))
+
+
+@functools.cache
+def _tiny_init_config(name: str) -> dict[str, Any]:
+    return dict(yaml.safe_load((TINY_RECIPES / f"{name}.yaml").read_text())["model"]["init_config"])
 
 
 def real_configs(name: str) -> dict[str, dict[str, Any]]:
