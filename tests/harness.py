@@ -137,17 +137,20 @@ def train(
     timeout: float = LAUNCH_TIMEOUT_S,
     environ: dict[str, str] | None = None,
     launcher: bool = False,
+    rank_extra: dict[int, list[str]] | None = None,
 ) -> Run:
     """Run the trainer and wait for it; `check`: fail the test unless it exited 0. By default its ranks are forked
     from the session's warm process (`WarmRanks`: the ranks' own code and environment, without ~10 s of imports per
     rank); `launcher=True` starts it through `python -m train.launch` itself, for the claims about the launch path
-    (exit codes and lines, signals, launcher death, nodes) and for anything measured per process (memory)."""
+    (exit codes and lines, signals, launcher death, nodes) and for anything measured per process (memory).
+    `rank_extra`: arguments added for some ranks only (warm ranks: a node started with another `--set`)."""
     cmd = launch_command(out, recipe, *overrides, nproc=nproc, resume=resume, extra=extra)
     if launcher or environ is not None:
+        assert rank_extra is None, "rank_extra: warm ranks only"
         proc = subprocess.run(cmd, cwd=REPO, env=environ or env(), capture_output=True, text=True, timeout=timeout)
         run = Run(out, proc.returncode, proc.stdout, proc.stderr, cmd)
     else:
-        run = Run(out, *WARM.run(cmd[cmd.index("train/finetune.py") :], nproc, timeout), cmd)
+        run = Run(out, *WARM.run(cmd[cmd.index("train/finetune.py") :], nproc, timeout, rank_extra), cmd)
     return run.ok() if check else run
 
 
@@ -266,7 +269,7 @@ def _rank(req: dict, rank_env: dict[str, str], rank: int, port: int) -> None:
             torch.save({"ok": True, "result": fn(rank, req["nproc"], *args)}, f"{req['out_dir']}/rank{rank}.pt")
             sys.stdout.flush()
             os._exit(0)
-        _run_main(req["argv"])
+        _run_main(req.get("rank_argv", {}).get(str(rank), req["argv"]))
     except BaseException:  # noqa: BLE001 — a crash of the rank, as the interpreter would print it
         traceback.print_exc()
     finally:
@@ -342,13 +345,18 @@ class WarmRanks:
         self.pending = WarmRun(self, pids)
         return self.pending
 
-    def run(self, argv: list[str], nproc: int, timeout: float) -> tuple[int, str, str]:
+    def run(
+        self, argv: list[str], nproc: int, timeout: float, rank_extra: dict[int, list[str]] | None = None
+    ) -> tuple[int, str, str]:
         """`argv` (a script and its arguments, or `-m module ...`: what `torchrun --nproc_per_node <nproc>` would be
-        given) on `nproc` forked ranks with the launcher's environment: (exit code, stdout, stderr)."""
+        given) on `nproc` forked ranks with the launcher's environment: (exit code, stdout, stderr). `rank_extra`:
+        {rank: arguments appended to that rank's argv}."""
         import tempfile
 
+        req = {"argv": argv, "nproc": nproc, "timeout": timeout}
+        req["rank_argv"] = {str(r): [*argv, *more] for r, more in (rank_extra or {}).items()}
         with tempfile.TemporaryDirectory() as tmp:
-            rc, out, err = self._request({"argv": argv, "nproc": nproc, "timeout": timeout}, tmp)
+            rc, out, err = self._request(req, tmp)
         self.runs += 1
         if rc == 124:
             raise subprocess.TimeoutExpired(argv, timeout, out, err)

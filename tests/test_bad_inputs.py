@@ -98,6 +98,7 @@ CASES = [
     trainer("unknown_family", "model.family=wann", words=("model.family", "did you mean 'wan'")),
     trainer("bad_literal", "train.mixed_precision=fp16", words=("train.mixed_precision", "expected one of")),
     trainer("negative_lr", "train.lr=-1", words=("train.lr", "must be > 0")),
+    trainer("lr_not_finite", "train.lr=.inf", words=("--set: train.lr", "must be a finite number, got inf")),
     trainer("lora_rank_0", "finetune.lora_rank=0", words=("finetune.lora_rank", ">= 1")),
     trainer(
         "export_lora_with_full",
@@ -108,6 +109,11 @@ CASES = [
     trainer("bad_bucket", "data.buckets=[64x64]", words=("data.buckets[0]", "FRAMESxHEIGHTxWIDTH")),
     trainer("betas_one_number", "train.betas=[0.9]", words=("train.betas", "two numbers")),
     trainer("no_weights", "model.init_config=null", words=("pretrained_path", "init_config")),
+    trainer(
+        "lora_target_typo",
+        "finetune.lora_targets=[to_q,to_kk]",
+        words=("'to_kk' (did you mean 'to_k'?)", "no module of WanTransformer3DModel", "to_out.0"),
+    ),
     trainer(
         "two_problems_one_line",
         "train.lr=-1",
@@ -383,9 +389,10 @@ def _one_rank_group(tmp: Path):
 def _trainer_error(argv: list[str], world: int, tmp: Path) -> BaseException:
     """What train/finetune.py calls before its first step, in its order, until one raises: `parse_args` (what the
     entry point's `preflight` checks, and the model's config and tokens), then main()'s data (`build_dataset`,
-    `check_text_lengths`) and memory check (`startup_check`), the CP plan file (`load_plan_file`, as CP is enabled) and
-    the pretrained weights' folder (`pretrained_folder`) as build_model reads them, and resume's recipe check
-    (`plan_resume` against the newest checkpoint's `read_trainer_state`) and checkpoint verification (`restore`)."""
+    `check_text_lengths`) and memory check (`startup_check`), the CP plan file (`load_plan_file`, as CP is enabled),
+    the pretrained weights' folder (`pretrained_folder`) and the LoRA targets (`check_lora_targets`) as build_model
+    reads them, and resume's recipe check (`plan_resume` against the newest checkpoint's `read_trainer_state`) and
+    checkpoint verification (`restore`)."""
     import torch
 
     from train.checkpoint import complete_checkpoints, read_trainer_state, restore
@@ -394,7 +401,7 @@ def _trainer_error(argv: list[str], world: int, tmp: Path) -> BaseException:
     from train.data.batches import build_dataset, check_text_lengths
     from train.estimate import startup_check
     from train.finetune import parse_args
-    from train.modeling import family_spec, pretrained_folder
+    from train.modeling import check_lora_targets, family_spec, meta_transformer, pretrained_folder
     from train.models import cache_reads
     from train.resume import plan_resume
 
@@ -408,6 +415,8 @@ def _trainer_error(argv: list[str], world: int, tmp: Path) -> BaseException:
                 load_plan_file(m.cp_plan)
             if m.init_config is None and m.sharded_load and recipe.parallel.fsdp:
                 pretrained_folder(m)
+            if recipe.finetune.method == "lora":  # build_model's LoRA targets, on the transformer built on meta
+                check_lora_targets(meta_transformer(m, spec), list(recipe.finetune.lora_targets or spec.lora_targets))
             found = complete_checkpoints(recipe.output_dir) if args.resume else []
             if found:
                 saved = read_trainer_state(found[-1])

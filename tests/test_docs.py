@@ -40,6 +40,7 @@ QUOTED = [
     ("train/cp/enable.py", "and each CP rank needs at least one: set parallel.cp <= "),
     ("train/cp/layout.py", "match no split recorded by the plan's hooks"),
     ("train/cp/layout.py", "or run once with CTXTRAIN_CP_VERIFY_LAYOUT=1 to see the failing call on every rank."),
+    ("train/runtime.py", "the ranks were started with different jobs: "),
     ("train/runtime.py", "did not arrive (stopped, hung or dead)"),
     ("train/runtime.py", "every rank reached this phase and is alive: a collective mismatch (ranks calling different "),
     ("train/config.py", "but the world "),

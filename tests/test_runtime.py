@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.harness import REPO, env, launch_command, spawn, train, wait_until
+from tests.harness import REPO, env, launch_command, rank_job, spawn, train, wait_until
 from train import runtime
 from train.errors import UserError
 from train.runtime import LOCK_NAME, OutputLock, diagnose
@@ -276,3 +276,37 @@ def test_stopped_rank_ends_the_job_naming_it(jobs, launcher) -> None:
     assert "in train_step at step" in lines[0] and "ranks [1] did not arrive" in lines[0], lines
     assert " from train/" in lines[0], lines  # the collective and where the trainer called it
     assert not (out / LOCK_NAME).exists()  # rank 0 released the lock on its way out
+
+
+def _ranks_agree(rank: int, world: int) -> dict:
+    """`check_ranks_agree` on 3 ranks: equal jobs pass; unequal ones raise on every rank."""
+    runtime.check_ranks_agree({"recipe": {"train": {"lr": 1e-3, "max_steps": 4}}, "code": "abc"})
+    job = {"recipe": {"train": {"lr": 1e-3 * (rank + 1), "max_steps": 5 if rank == 2 else 4}}, "code": "abc"}
+    try:
+        runtime.check_ranks_agree(job)
+    except UserError as e:
+        return {"said": str(e), "same": e.same_on_every_rank}
+    return {"said": None}
+
+
+rank_job(3)(_ranks_agree)
+
+
+def test_every_rank_checks_it_runs_the_same_job(group) -> None:
+    """The differing fields, each with its values and the ranks holding them, in the same line on every rank."""
+    said = group(_ranks_agree, 3)
+    assert all(s == said[0] for s in said) and said[0]["same"], said
+    line = said[0]["said"]
+    assert "recipe.train.lr: 0.001 on ranks [0], 0.002 on ranks [1], 0.003 on ranks [2]" in line, line
+    assert "recipe.train.max_steps: 4 on ranks [0, 1], 5 on ranks [2]" in line, line
+
+
+@pytest.mark.slow
+def test_a_rank_started_with_another_set_is_refused_at_startup(tmp_path: Path) -> None:
+    """A different `--set` on one rank (a wrapper, a node with another recipe file): one line naming the field, exit
+    2, before the run writes anything (it trained silently with two learning rates)."""
+    out = tmp_path / "differ"
+    run = train(out, TINY, "parallel.cp=2", nproc=2, check=False, rank_extra={1: ["--set", "train.lr=0.01"]})
+    assert run.rc == 2 and len(run.errors) == 1, run.log[-4000:]
+    assert "recipe.train.lr: 0.001 on ranks [0], 0.01 on ranks [1]" in run.errors[0], run.errors
+    assert not (out / "metrics.jsonl").exists() and not (out / LOCK_NAME).exists()

@@ -250,7 +250,8 @@ class TrainConfig(Section):
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """Learning-rate decay after warmup: constant, linear to 0, or cosine to 0 at max_steps."""
     warmup_steps: int = Field(0, ge=0)
-    """Steps of linear warmup from 0 to lr."""
+    """Steps of linear warmup from 0 to lr, with every schedule (constant too): logged step s ≤ N trains at
+    (s - 1) / N × lr (the logged `lr`)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW decoupled weight decay."""
     betas: Annotated[list[float], AfterValidator(_betas)] = Field(default_factory=lambda: [0.9, 0.999])

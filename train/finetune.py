@@ -198,6 +198,7 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     if dims.world_size > 1:
         dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
     finite = bool(loss_sum.isfinite() and grad_norm.isfinite())  # the norm is global already: equal on every rank
+    lr = tr.scheduler.get_last_lr()[0]  # this step's rate (the scheduler then moves on to the next step's)
     if finite:
         tr.optimizer.step()
         tr.scheduler.step()
@@ -210,7 +211,7 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     # Throughput of the whole job in transformer tokens (noised streams after patching; text not counted): each DP
     # group processes its own micro-batches, the CP ranks of a group share them.
     return {"step": step + 1, "loss": loss_sum.item(), "grad_norm": grad_norm.item(),
-            "lr": tr.scheduler.get_last_lr()[0], "transformer_tokens_per_s": tokens * dims.dp / dt,
+            "lr": lr, "transformer_tokens_per_s": tokens * dims.dp / dt,
             "step_time_s": dt, "peak_mem_bytes": peak_memory_bytes(tr.device), "skipped": not finite,
             "bad_steps": tr.bad.total}  # fmt: skip
 
@@ -236,11 +237,24 @@ def bad_steps_error(streak: list[BadStep]) -> UserError:
 
 
 def build_optimizer(params: list[torch.nn.Parameter], t: TrainConfig):
+    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay)
+    return optimizer, lr_schedule(optimizer, t, t.max_steps)
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, t: TrainConfig, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """`train.lr_schedule` after `train.warmup_steps` of linear warmup from 0, over `steps` optimizer steps.
+    diffusers' "constant" ignores warmup; its "constant_with_warmup" is the same schedule with it."""
     from diffusers.optimization import get_scheduler
 
-    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay)
-    scheduler = get_scheduler(t.lr_schedule, optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.max_steps)
-    return optimizer, scheduler
+    name = "constant_with_warmup" if t.lr_schedule == "constant" else t.lr_schedule
+    return get_scheduler(name, optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=steps)
+
+
+def job_identity(recipe: Recipe, args: argparse.Namespace) -> dict:
+    """What every rank of one job must share (`runtime.check_ranks_agree`): the resolved recipe (not the file's
+    path: nodes may hold copies elsewhere), the flags that change the run, and the code version."""
+    flags = {"resume": args.resume, "reset_lr_schedule": args.reset_lr_schedule}
+    return {"recipe": recipe_to_dict(recipe), "flags": flags, "code": runtime.code_digest()}
 
 
 def checkpoint_state(recipe: Recipe, step: int, scheduler, batches: Batches, mesh: Mesh) -> dict:
@@ -281,12 +295,9 @@ def resume(recipe: Recipe, args: argparse.Namespace, app: AppState, scheduler, b
     for group in app.optimizer.param_groups:  # DCP restored the old hyper-parameters: the recipe's apply from here
         group.update(betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay)
     if plan.reset_schedule:  # the new schedule (warmup included) over the remaining steps, from the new lr
-        from diffusers.optimization import get_scheduler
-
         for group in app.optimizer.param_groups:
             group["lr"] = group["initial_lr"] = t.lr
-        scheduler = get_scheduler(t.lr_schedule, app.optimizer, num_warmup_steps=t.warmup_steps,
-                                  num_training_steps=max(t.max_steps - start, 1))  # fmt: skip
+        scheduler = lr_schedule(app.optimizer, t, max(t.max_steps - start, 1))
     else:
         scheduler.load_state_dict(state["scheduler"])
     batches.load_state_dict(state["data"])
@@ -385,6 +396,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # --- processes, devices, mesh ---------------------------------------------------------------------------------
     accelerator = init_processes(recipe)
+    runtime.check_ranks_agree(job_identity(recipe, args))  # first collective: every rank the same recipe, flags, code
     device = accelerator.device
     dims = ParallelDims(*recipe.parallel.resolve(dist.get_world_size()), ring=recipe.parallel.cp_ring)
     mesh = dims.build(device.type)

@@ -154,6 +154,7 @@ def apply_finetune(model: torch.nn.Module, cfg: FinetuneConfig, spec: FamilySpec
 
         model.requires_grad_(False)
         targets = list(cfg.lora_targets or spec.lora_targets)
+        check_lora_targets(model, targets)
         config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                             target_modules=targets, init_lora_weights=True)  # fmt: skip
         # peft makes each adapter on the default device, initialises it, then moves it to its base layer's device: on
@@ -165,6 +166,25 @@ def apply_finetune(model: torch.nn.Module, cfg: FinetuneConfig, spec: FamilySpec
             if p.requires_grad:
                 p.data = p.data.float()
     return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def check_lora_targets(model: torch.nn.Module, targets: list[str]) -> None:
+    """Every LoRA target names a module, as peft matches a list of `target_modules` (a module's name or a dotted
+    suffix of it): peft drops an entry that matches nothing while another entry matches (`[to_q, to_kk]` trains what
+    `[to_q]` trains), and fails with a traceback when none does. Every rank builds the same model: the same error."""
+    names = [n for n, _ in model.named_modules() if n]
+    unmatched = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if not unmatched:
+        return
+
+    def tail(name: str) -> str:  # what a target usually is: the last name, the last two after an index (`to_out.0`)
+        return ".".join(name.split(".")[-2 if name.split(".")[-1].isdigit() else -1 :])
+
+    said = ", ".join(f"{t!r}{suggest(t, {tail(n) for n in names})}" for t in unmatched)
+    linear = sorted({tail(n) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    raise UserError(f"finetune.lora_targets: {said} match{'es' * (len(unmatched) == 1)} no module of "
+                    f"{type(model).__name__} (peft skips an unmatched target silently); its linear layers are named "
+                    f"{', '.join(linear[:24])}{' ...' * (len(linear) > 24)}")  # fmt: skip
 
 
 def lora_init(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:

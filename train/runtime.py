@@ -12,6 +12,8 @@
   "backward", step)`); when a rank stays in one phase longer than `timeout_s`, it reads every rank's heartbeat from
   the launcher's TCPStore and prints one line naming the phase, the collective the main thread waits in and the
   ranks that did not arrive, then exits (the launcher tears the job down).
+- `check_ranks_agree(job)`: collective; the resolved recipe, flags and code digest of every rank must be equal, else
+  one line naming the differing fields and the ranks.
 - `exit(code)`: leave without the interpreter's teardown, after the exit hooks (the lock's release) ran.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import hashlib
 import json
 import os
 import signal
@@ -30,6 +33,7 @@ import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -257,6 +261,54 @@ def lock_output_dir(out_dir: Path) -> OutputLock | None:
     if box[0] is not None:
         raise UserError(box[0])  # the same message on every rank: printed once
     return lock
+
+
+# --- every rank runs the same job ------------------------------------------------------------------------------------
+
+CODE_ROOT = Path(__file__).resolve().parent  # the train/ package: its sources are the code version
+
+
+def code_digest() -> str:
+    """sha256 of the train/ package's Python sources (paths and bytes): equal on ranks that run the same code."""
+    h = hashlib.sha256()
+    for path in sorted(CODE_ROOT.rglob("*.py")):
+        h.update(path.relative_to(CODE_ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict) and tree:
+        return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): tree}
+
+
+def check_ranks_agree(job: dict[str, Any], shown: int = 6) -> None:
+    """Collective, the job's first: every rank's `job` (the resolved recipe, the command-line flags, the code
+    digest) must be equal. A mismatch (a different `--set` or recipe file on one node, another checkout) is a
+    UserError on every rank, the same line: the differing fields, each with its values and the ranks holding them.
+    Without it one rank trains silently with another lr, or a different max_steps ends in a collective timeout."""
+    if dist.get_world_size() == 1:
+        return
+    text = json.dumps(job, sort_keys=True, default=str)
+    digests: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, hashlib.sha256(text.encode()).hexdigest())
+    if len(set(digests)) == 1:
+        return
+    jobs: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(jobs, text)
+    flat = [_flat(json.loads(j)) for j in jobs]
+    fields = sorted({k for f in flat for k in f if len({json.dumps(g.get(k, "<unset>")) for g in flat}) > 1})
+    said = []
+    for key in fields[:shown]:
+        by_value: dict[str, list[int]] = {}
+        for rank, f in enumerate(flat):
+            by_value.setdefault(json.dumps(f.get(key, "<unset>")), []).append(rank)
+        said.append(f"{key}: " + ", ".join(f"{v} on ranks {r}" for v, r in by_value.items()))
+    more = f"; and {len(fields) - shown} more" if len(fields) > shown else ""
+    raise UserError(
+        f"the ranks were started with different jobs: {'; '.join(said)}{more}. Start every rank with the same "
+        "recipe, --set options, flags and checkout of this repository"
+    )
 
 
 # --- hang watchdog ----------------------------------------------------------------------------------------------------

@@ -55,13 +55,13 @@ __all__ = [
 Loc = tuple[str | int, ...]
 Problem = tuple[Loc, str]  # (location inside the validated data, problem)
 
-STRICT = ConfigDict(strict=True)
+STRICT = ConfigDict(strict=True, allow_inf_nan=False)  # a number in a recipe is finite (`.inf`, `.nan`)
 
 
 class Section(BaseModel):
     """Base of every schema model: strict types, no unknown keys, field docs from the docstring under each field."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True, allow_inf_nan=False)
 
 
 class SchemaError(UserError):
@@ -260,6 +260,8 @@ def _message(error: Any, where: _Where, schema: Any) -> str:
         return f"unknown key{suggest_key(where.path[-1], fields, schema)}; valid keys{of}: " + ", ".join(fields)
     if kind in ("value_error", "assertion_error"):
         return str(ctx.get("error", error["msg"]))
+    if kind == "finite_number":
+        return f"must be a finite number, got {_number(value)}"
     if kind in _BOUNDS:
         return f"must be {_BOUNDS[kind]} {_number(ctx[_BOUND_KEYS[kind]])}, got {_number(value)}"
     if kind.endswith("_type") or kind.endswith("_parsing") or kind in ("literal_error", "int_from_float"):
