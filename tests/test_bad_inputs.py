@@ -165,10 +165,6 @@ CASES = [
         "model.cp_plan={tmp}/bad_plan.yaml",
         nproc=2,
         words=("bad_plan.yaml", "model_clas", "unknown key"),
-        # the plan file, read when CP is enabled on 2 ranks after the process group exists: the way the
-        # model-config, hub-id and token-count errors are delivered too (raised after the group exists, printed
-        # once); their messages are test_message_in_process's
-        launch=True,
     ),
     trainer("output_dir_is_a_file", "output_dir={tmp}/typo.yaml", words=("output_dir", "is a file")),
     trainer(
@@ -204,7 +200,7 @@ CASES = [
     ),
     # --- data and cache -------------------------------------------------------------------------------------------
     trainer("synthetic_and_cache", "data.cache_dir={cache}", words=("data.synthetic", "data.cache_dir")),
-    trainer("no_data", "data.synthetic=null", words=("data.cache_dir", "data.synthetic"), launch=True),
+    trainer("no_data", "data.synthetic=null", words=("data.cache_dir", "data.synthetic")),
     trainer(
         "cache_dir_missing",
         "data.synthetic=null",
@@ -243,7 +239,10 @@ CASES = [
         "data.cache_dir={tmp}/truncated",
         nproc=2,
         words=("000000.safetensors",),
-        launch=True,  # the cache: checked when the dataset is built, on 2 ranks after the process group exists
+        # The delivery of every error raised on 2 ranks after the process group exists (the lock taken, the
+        # watchdog running), printed once: the cache here; the plan file, model config, hub id, token count and the
+        # startup memory refusal are raised from the same state, their messages test_message_in_process's.
+        launch=True,
     ),
     # --- resume ---------------------------------------------------------------------------------------------------
     Case(
@@ -286,7 +285,6 @@ CASES = [
         "parallel.device_memory_gib=0.0001",
         nproc=2,
         words=("predicted peak per rank", "parallel.memory_check: warn"),
-        launch=True,
     ),
 ]
 RESUME = {"{ckpt_run}", "{corrupt_run}"}  # cases that need the shared checkpointed run (a launch: slow tier)

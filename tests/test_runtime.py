@@ -221,7 +221,7 @@ def jobs(runs, tmp_path_factory) -> Iterator[dict]:
 
 def test_memory_warning_and_bf16_autocast(jobs) -> None:
     """`train.estimate` runs at startup: with `memory_check: warn` a prediction over the device memory is printed and
-    the run trains (refused by default: tests/test_bad_inputs.py `startup_memory_refused`, launched). The same CP 2
+    the run trains (refused by default: tests/test_bad_inputs.py `startup_memory_refused`). The same CP 2
     run autocasts in bf16 (`mixed_precision: bf16`, CPU too): its loss differs from the fp32 serial run by bf16
     rounding, not more (so autocast did run), at each of the first 4 steps."""
     run = jobs["long"]
