@@ -167,6 +167,7 @@ CASES = [
         words=("bad_plan.yaml", "model_clas", "unknown key"),
     ),
     trainer("output_dir_is_a_file", "output_dir={tmp}/typo.yaml", words=("output_dir", "is a file")),
+    trainer("output_dir_empty", "output_dir=''", words=("output_dir", "is empty", "current directory")),
     trainer(
         "accelerate_mixed_precision",
         launcher=("--mixed_precision", "bf16"),

@@ -121,6 +121,13 @@ def _betas(betas: list[float]) -> list[float]:
     return betas
 
 
+def _folder(path: str) -> str:
+    if not path.strip():
+        raise ValueError("is empty: the run would write its checkpoints, metrics and exports into the current "
+                         "directory; name a folder")  # fmt: skip
+    return path
+
+
 def _dp_shard(n: int) -> int:
     if n < 1 and n != -1:
         raise ValueError(f"must be >= 1 or -1 (the rest of the world size), got {n}")
@@ -481,7 +488,7 @@ class Recipe(Section):
     """Checkpoints and export."""
     validation: ValidationConfig | None = None
     """Validation samples during training; null = none."""
-    output_dir: str = "outputs/run"
+    output_dir: Annotated[str, AfterValidator(_folder)] = "outputs/run"
     """Folder for checkpoints, exported weights and the resolved recipe."""
     name: str | None = None
     """Run name; null = the recipe file's stem (filled in by load_recipe)."""
