@@ -43,7 +43,7 @@ def launch(out_dir: Path, nproc: int, steps: int, latents: list[int], *sets: str
                  f"model.init_config={json.dumps(MID)}", f"parallel.cp={nproc}", f"train.max_steps={steps}",
                  "train.batch_size=1", "checkpoint.export=none",
                  f"data.synthetic.shapes={{latents: {latents}, prompt_embeds: [64, 256]}}", *sets]  # fmt: skip
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu.yaml",
+    cmd = [sys.executable, "-m", "train.launch", "--config_file", "configs/accelerate/cpu.yaml",
            "--num_processes", str(nproc), "train/finetune.py", "--recipe", "recipes/tiny/wan.yaml",
            *[a for o in overrides for a in ("--set", o)]]  # fmt: skip
     env = {**os.environ, **ALLOCATOR_ENV, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))}

@@ -1,11 +1,11 @@
 """Peak resident memory per rank of a real training launch, as a fraction of the bf16 model: sharded start vs every
 rank loading the whole model.
 
-    python -m bench.startup_memory [--layers 30] [--method lora] [--nproc 4]
+    python -m bench.startup_memory [--layers 30] [--method lora] [--nproc 4] [--short] [--sharded-only] [--json F]
 
 A pretrained Wan2.1-T2V-1.3B transformer (its real config: 30 blocks of 12 heads × 128, ffn 8960, text_dim 4096;
 random weights; `--layers` changes the block count) is written once as a local bf16 folder; `train/finetune.py`
-then runs through `accelerate launch` on 4 CPU processes (cp 2 × dp_shard 2) for one step at a short sequence (so
+then runs through `python -m train.launch` on 4 CPU processes (cp 2 × dp_shard 2) for one step at a short sequence (so
 the weights dominate), once per loading path.
 Measured: the largest descendant's peak RSS (`getrusage(RUSAGE_CHILDREN)` of a fresh parent process), minus the
 same launch of the tiny recipe (imports, process group, allocator: ~0.4-0.5 GiB per rank). glibc is told to return
@@ -80,8 +80,8 @@ print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
 
 
 def launch_peak(out_dir: Path, nproc: int, recipe: str, *overrides: str) -> int:
-    """Peak RSS (bytes) of the largest process of one `accelerate launch` of the trainer."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu.yaml",
+    """Peak RSS (bytes) of the largest process of one launch of the trainer (`python -m train.launch`)."""
+    cmd = [sys.executable, "-m", "train.launch", "--config_file", "configs/accelerate/cpu.yaml",
            "--num_processes", str(nproc), "train/finetune.py", "--recipe", recipe, "--set", f"output_dir={out_dir}",
            "--set", "logging.progress_bar=false", "--set", "logging.wandb_mode=disabled",
            *[a for o in overrides for a in ("--set", o)]]  # fmt: skip
@@ -130,16 +130,23 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--method", choices=["lora", "full"], default="lora")
     parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--short", action="store_true", help="the 2-token step (SHORT_SHAPES: ~2 min less on AVX2)")
+    parser.add_argument("--sharded-only", action="store_true", help="measure the sharded start only")
+    parser.add_argument("--json", type=Path, help="also write the result to this file")
     args = parser.parse_args()
+    paths, shapes = (True,) if args.sharded_only else (True, False), SHORT_SHAPES if args.short else SHAPES
     with tempfile.TemporaryDirectory() as tmp:
-        r = measure(Path(tmp), args.layers, args.method, args.nproc)
+        r = measure(Path(tmp), args.layers, args.method, args.nproc, paths=paths, shapes=shapes)
+    if args.json:
+        args.json.write_text(json.dumps(r))
     gib = 2**30
     print(f"Wan 1.3B ({args.layers} blocks): bf16 model {r['model_bytes'] / gib:.2f} GiB; "
           f"baseline (tiny launch) {r['baseline_bytes'] / gib:.2f} GiB per rank; {args.nproc} ranks cp 2, "
           f"{args.method}, one step")  # fmt: skip
     print("| loading | peak RSS of the largest rank − baseline, × bf16 model |\n|---|---|")
     print(f"| sharded start (model.sharded_load: true) | {r['sharded']:.2f} |")
-    print(f"| whole model on every rank (model.sharded_load: false) | {r['whole']:.2f} |")
+    if "whole" in r:
+        print(f"| whole model on every rank (model.sharded_load: false) | {r['whole']:.2f} |")
 
 
 if __name__ == "__main__":

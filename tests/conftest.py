@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import WARM, Groups, Runs, session_dir
+from tests.harness import EARLY, WARM, Groups, Runs, session_dir
 
 SLOW_FIXTURES = {"runs", "group", "launcher"}
 
@@ -67,6 +67,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_collection_finish(session: pytest.Session) -> None:
     if any(item.get_closest_marker("slow") for item in session.items):
         WARM.start()  # its imports overlap the first tests; the slow tests fork from it
+    modules = {item.module.__name__ for item in session.items if item.get_closest_marker("slow")}
+    for scenario in (s for owner in sorted(modules & set(EARLY)) for s in EARLY[owner]):
+        scenario.start()  # its waits overlap the tests before its module's (tests/harness.py `Early`)
 
 
 @pytest.fixture(scope="session")
@@ -88,6 +91,8 @@ def group(request: pytest.FixtureRequest) -> Groups:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    for scenario in (s for scenarios in EARLY.values() for s in scenarios):
+        scenario.stop()
     WARM.close()
     shutil.rmtree(session_dir(), ignore_errors=True)
 

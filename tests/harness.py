@@ -220,7 +220,8 @@ def _fork_ranks(req: dict, launched: dict[str, str], reply: Callable[..., None])
         port = str(sock.getsockname()[1])
     n, pids = req["nproc"], {}
     for rank in range(n):
-        per_rank = {**dict.fromkeys(PER_RANK, str(rank)), **dict.fromkeys(PER_WORLD, str(n)), "MASTER_PORT": port}
+        per_rank = {**dict.fromkeys(PER_RANK, str(rank)), **dict.fromkeys(PER_WORLD, str(n)), "MASTER_PORT": port,
+                    "CTXTRAIN_LAUNCHER_PID": str(os.getpid())}  # fmt: skip  # this process is their launcher
         rank_env = {**req["env"], **launched, **per_rank} if "argv" in req else req["env"]
         sys.stdout.flush()
         sys.stderr.flush()
@@ -560,6 +561,79 @@ class Groups:
             i, r = failed[0]
             raise RankError(f"{key}: rank {i} failed: {r['error']}\n{r['tb']}")
         return [r["ok"] for r in ranks]
+
+
+# ------------------------------------------------------------------------------------ scenarios started early
+
+# the registering test module -> its early scenarios
+EARLY: dict[str, list[Early]] = {}
+
+
+class Early:
+    """A scenario that mostly waits (a timeout running out, a grace period): `fn(root, started)` runs in a thread
+    from the start of the session (tests/conftest.py starts those of the selected test modules), so its idle time
+    overlaps the tests before its module's; it appends what it starts to `started` (`subprocess.Popen`s and
+    `psutil.Process`es), and whatever is still running is killed when it returns or the session ends. Its module's
+    tests read `result()`, which waits for it and raises what it raised."""
+
+    def __init__(self, fn: Callable[[Path, list], Any], owner: str) -> None:
+        self.fn, self.owner = fn, owner
+        self.started: list = []
+        self.thread: Any = None
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        import tempfile
+        import threading
+
+        root = Path(tempfile.mkdtemp(prefix=f"ctxtrain-{self.fn.__name__}-", dir=session_dir()))
+        self.thread = threading.Thread(target=self._run, args=(root,), daemon=True, name=self.fn.__name__)
+        self.thread.start()
+
+    def _run(self, root: Path) -> None:
+        try:
+            self.value = self.fn(root, self.started)
+        except BaseException as e:  # noqa: BLE001 — raised again in the tests that read it
+            self.error = e
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """Continue (a stopped process) and kill what is still running, by process object (never a reused pid); a
+        `Popen` started in a session of its own (`start_new_session=True`) with its whole process group."""
+        import signal
+
+        for proc in reversed(self.started):
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    if isinstance(proc, subprocess.Popen) and os.getpgid(proc.pid) == proc.pid:
+                        os.killpg(proc.pid, sig)
+                    else:
+                        proc.send_signal(sig)
+                except Exception:  # noqa: BLE001 — it has ended (ProcessLookupError, psutil.NoSuchProcess)
+                    break
+            if isinstance(proc, subprocess.Popen):
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
+
+    def result(self, timeout_s: float = LAUNCH_TIMEOUT_S) -> Any:
+        if self.thread is None:
+            self.start()  # its module's tests were selected after collection (a plugin): run it now
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), f"the early scenario {self.fn.__name__} still runs after {timeout_s} s"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def early(fn: Callable[[Path, list], Any]) -> Early:
+    """Register `fn(root, started) -> result` as an early scenario of the calling test module (see `Early`)."""
+    scenario = Early(fn, sys._getframe(1).f_globals["__name__"])
+    EARLY.setdefault(scenario.owner, []).append(scenario)
+    return scenario
 
 
 SESSION_DIR = "CTXTRAIN_TEST_SESSION_DIR"  # set by tests/conftest.py; the warm ranks inherit it

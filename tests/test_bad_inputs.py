@@ -99,6 +99,7 @@ CASES = [
     trainer("bad_literal", "train.mixed_precision=fp16", words=("train.mixed_precision", "expected one of")),
     trainer("negative_lr", "train.lr=-1", words=("train.lr", "must be > 0")),
     trainer("lr_not_finite", "train.lr=.inf", words=("--set: train.lr", "must be a finite number, got inf")),
+    trainer("lr_absurd", "train.lr=1e38", words=("--set: train.lr", "must be <= 100, got 1e+38")),
     trainer("lora_rank_0", "finetune.lora_rank=0", words=("finetune.lora_rank", ">= 1")),
     trainer(
         "export_lora_with_full",

@@ -34,6 +34,7 @@ from train.data.synthetic_media import (
     write_image,
     write_video,
 )
+from train.errors import UserError
 from train.models import build_tiny_pipeline, get_encoder
 from train.prepare import PrepareError, check_geometry, item_seed, list_source, prepare
 
@@ -382,7 +383,7 @@ def test_sampler_sizes_and_errors():
     assert _take(unshuffled, 3) == [[0, 1], [2, 3], [4]]
     equal = [BucketBatchSampler(["x"] * 5, 2, dp_rank=r, dp_size=2, drop_last=False) for r in range(2)]
     assert len(equal[0]) == len(equal[1]) == 2  # 3 batches wrap to 4: no group waits for a missing batch
-    with pytest.raises(ValueError, match="fewer than the 4 data-parallel groups"):
+    with pytest.raises(UserError, match="fewer than the 4 data-parallel groups"):
         BucketBatchSampler(["x"] * 5, 2, dp_rank=0, dp_size=4)
 
 

@@ -254,3 +254,21 @@ def test_malformed_metadata_names_the_file_and_line(tmp_path):
     assert str(e).startswith(f"{csv}:3: 3 fields where the header has 2: quote fields that hold commas")
     csv.write_text("file_name,text\na.mp4\n")
     assert str(_error(list_source, str(csv))).startswith(f"{csv}:2: 1 field where the header has 2")
+
+
+def test_metadata_with_a_bom_reads_and_other_encodings_are_named(tmp_path, capsys):
+    """Spreadsheet exports start with a UTF-8 BOM: read as UTF-8 (the header is `file_name`, not `\\ufefffile_name`).
+    A file in another encoding is one line naming it and the fix; a repeated row is said (a sample of its own)."""
+    csv = tmp_path / "metadata.csv"
+    csv.write_bytes("file_name,text\na.mp4,café\nb.mp4,b\na.mp4,café\n".encode("utf-8-sig"))
+    items = list_source(str(csv))
+    assert [items[i].name for i in range(len(items))] == ["a.mp4", "b.mp4", "a.mp4"] and items[0].caption == "café"
+    assert "1 repeated row(s), each a sample of its own (trained twice as often): row 3 repeats row 1" in (
+        capsys.readouterr().err
+    )
+    jsonl = tmp_path / "metadata.jsonl"
+    jsonl.write_bytes('{"file_name": "a.mp4", "text": "café"}\n'.encode("utf-8-sig"))
+    assert list_source(str(jsonl))[0].caption == "café"
+    jsonl.write_bytes('{"file_name": "a.mp4", "text": "café"}\n'.encode("latin-1"))
+    assert str(_error(list_source, str(jsonl))) == (f"{jsonl}: not UTF-8 (byte 0xe9 at offset 35): save it as UTF-8 "
+                                                    "(e.g. `iconv -f latin1 -t utf-8`)")  # fmt: skip

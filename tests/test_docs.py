@@ -45,6 +45,12 @@ QUOTED = [
     ("train/runtime.py", "every rank reached this phase and is alive: a collective mismatch (ranks calling different "),
     ("train/config.py", "but the world "),
     ("train/estimate.py", "over by more than the estimate's"),
+    ("train/rundir.py", "choose another output_dir, or pass "),
+    ("train/rundir.py", "--archive-previous to move that run into output_dir/archive/ first"),
+    ("train/rundir.py", ": nothing to resume in "),
+    ("train/finetune.py", "the trained state is in checkpoint "),
+    ("train/finetune.py", "arrived after the last step: the export finished first; the run is complete"),
+    ("train/modeling.py", "the starting weights hold NaN/Inf in "),
 ]
 
 

@@ -247,3 +247,98 @@ def test_logged_lr_is_the_rate_the_step_trained_at(tmp_path: Path) -> None:
     constant schedule, step 1 trains at 0, step 2 at lr / 2, then lr."""
     run = train(tmp_path / "warmup", TINY, "parallel.cp=1", "train.warmup_steps=2", "logging.every_n_steps=1")
     assert [m["lr"] for m in run.metrics] == pytest.approx([0.0, 5e-4, 1e-3, 1e-3])
+
+
+# --- one run's state per output_dir, and an export that cannot lose the run (issue 20) --------------------------------
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def test_a_rerun_into_a_finished_runs_folder_is_refused_and_changes_nothing(runs) -> None:
+    """The finished CP 2 LoRA run's folder (run.json, checkpoints, metrics, its LoRA export): the same command again
+    without --resume is refused on every rank with one line (exit 2), and `--resume` of the full CP 2 run (its default
+    `checkpoint.every_n_steps: 0`: metrics and an export, no checkpoint) says there is nothing to resume; neither
+    changes a byte of the folder. The rules themselves: tests/test_rundir.py."""
+    for sets, resume, said in ((CP2, False, "holds run "), ((*FULL, "parallel.cp=2"), True, "nothing to resume in")):
+        done = runs(TINY, *sets, nproc=2)
+        before = _files(done.out)
+        again = train(done.out, TINY, *sets, nproc=2, resume=resume, check=False)
+        assert again.rc == 2 and len(again.errors) == 1 and said in again.errors[0], again.log[-3000:]
+        assert _files(done.out) == before, sets
+
+
+def _export_fault_rank(rank: int, world: int, out: str, fault: str) -> dict:
+    """train/finetune.py's `main` on this rank (the full CP 2 run's recipe, into `out`) with rank 0's writes of the
+    transformer export faulted at the file layer: "disk full" (each fails with ENOSPC) or, resuming, "sigterm" (a
+    SIGTERM to this rank as the export writes its shard). What it raised, and what it printed."""
+    import contextlib
+    import errno
+    import io
+    import os
+    import signal
+
+    import safetensors.torch
+
+    from tests.harness import QUIET
+    from train import finetune
+    from train.errors import UserError
+
+    real = safetensors.torch.save_file
+
+    def faulty(tensors, filename, metadata=None):
+        if ".transformer.partial" in str(filename):
+            if fault == "disk full":
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(filename))
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(tensors, filename, metadata)
+
+    safetensors.torch.save_file = faulty
+    sets = (f"output_dir={out}", *QUIET, *FULL, "parallel.cp=2")
+    argv = [
+        "--recipe",
+        str(REPO / TINY),
+        *[a for s in sets for a in ("--set", s)],
+        *(["--resume"] * (fault != "disk full")),
+    ]
+    said, printed = None, io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        try:
+            finetune.main(argv)
+        except UserError as e:
+            said = str(e)
+    return {"said": said, "printed": printed.getvalue()}
+
+
+def test_a_failed_export_leaves_a_checkpoint_that_resume_exports(runs, tmp_path: Path) -> None:
+    """The full CP 2 run (no checkpoint until the end) whose final export fails on disk full: one line on every
+    rank naming the cause and the checkpoint of the last step written in its place, no folder that looks like a
+    model. `--resume` then trains nothing and exports it; a SIGTERM during that export lets it finish (the run
+    complete, `stopped.json` marked so: train.launch exits 0 for it). The export equals the uninterrupted run's,
+    tensor for tensor."""
+    from safetensors.torch import load_file
+
+    from tests.harness import spawn
+
+    ref, out = runs(TINY, *FULL, "parallel.cp=2", nproc=2).out, tmp_path / "full"
+    failed = spawn(_export_fault_rank, 2, str(out), "disk full", init_group=False)
+    said = failed[0]["said"]
+    assert failed[1]["said"] == said and said is not None, failed
+    assert said.startswith(f"export of the full weights to {out / 'transformer'} failed (OSError: [Errno 28]"), said
+    assert f"the trained state is in checkpoint {out / 'checkpoints' / 'step_000004'}" in said and "--resume" in said
+    assert (out / "checkpoints" / "step_000004" / "COMPLETE").exists()
+    assert not (out / "transformer").exists() and not list(out.glob(".transformer*"))
+
+    resumed = spawn(_export_fault_rank, 2, str(out), "sigterm", init_group=False)
+    assert resumed[0]["said"] is None and resumed[1]["said"] is None, resumed
+    printed = resumed[0]["printed"]
+    assert "resume: step 4 is already train.max_steps (4): nothing to train" in printed, printed[-3000:]
+    assert "SIGTERM arrived after the last step: the export finished first; the run is complete" in printed
+    marker = json.loads((out / "stopped.json").read_text())
+    assert marker["completed"] is True and marker["signal"] == "SIGTERM" and marker["step"] == 4
+    shards = sorted(p.name for p in (ref / "transformer").glob("*.safetensors"))
+    assert shards and shards == sorted(p.name for p in (out / "transformer").glob("*.safetensors"))
+    for name in shards:
+        a, b = load_file(out / "transformer" / name), load_file(ref / "transformer" / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name

@@ -4,8 +4,9 @@ One tiny Wan cache (the session's tiny pipeline, `train.prepare`) and copies of 
 - a NaN in one sample's latents: the dataset warns once naming the file and hands it on; every step that reads it has
   a non-finite loss and is skipped (no update), reported in metrics.jsonl; the run ends with exit code 0 and finite
   exported weights.
-- a diverging lr (1e6, no clipping): `train.max_bad_steps` non-finite steps in a row stop the run (rank exit code 2)
-  with one line naming the step and each step's samples; under data parallelism, only the bad group's sample.
+- a diverging lr (100, the largest the schema takes; no clipping): `train.max_bad_steps` non-finite steps in a row
+  stop the run (rank exit code 2) with one line naming the step and each step's samples; under data parallelism,
+  only the bad group's sample. A run whose last step is skipped exports the last applied step and exits 2.
 - SIGTERM to one rank, then (after `--resume`) to the launcher (`python -m train.launch`): every rank finishes the
   step, writes a checkpoint and exits, and so does the launcher, with 0; resuming to the end gives the uninterrupted
   run's losses and grad norms (within 1e-6) and its skipped steps.
@@ -151,8 +152,23 @@ def test_a_nan_in_one_cached_sample_is_skipped_and_the_run_ends_finite(setup, na
     assert weights and all(bool(torch.isfinite(t).all()) for t in weights.values())
 
 
+def test_a_run_that_ends_on_a_skipped_step_exits_2_naming_it(setup, nan_run, launcher) -> None:
+    """The NaN cache's run cut at its first skipped step (the same batches: the order depends on the seed, not on
+    max_steps): it exports the last applied step's weights, then fails (exit 2) with one line naming the skipped
+    step and its sample, rather than exiting 0 on a non-finite last loss."""
+    bad = next(m["step"] for m in _metrics(nan_run[2]) if m["skipped"])
+    code, log, out = _launch(setup, "ends_bad", "nan", f"train.max_steps={bad}")
+    errors = _errors(log)
+    assert code == 2 and len(errors) == 1 and "Traceback" not in log, log[-3000:]
+    assert (
+        f"the run's last 1 step had a non-finite loss or gradient norm and was skipped (the export holds step "
+        f"{bad - 1}'s weights, the last applied)" in errors[0]
+    ), errors[0]
+    assert f"({setup['files']['nan']})" in errors[0] and (out / "transformer" / "config.json").exists()
+
+
 def test_a_diverging_run_stops_after_max_bad_steps_naming_steps_and_samples(setup, launcher) -> None:
-    code, log, out = _launch(setup, "diverge", "clean", "train.lr=1e6", "train.max_grad_norm=null")
+    code, log, out = _launch(setup, "diverge", "clean", "train.lr=100", "train.max_grad_norm=null")
     assert code == 2 and "Traceback" not in log, log[-3000:]  # the ranks' user-error code (train.launch passes it on)
     errors = _errors(log)
     assert len(errors) == 1, log[-3000:]
@@ -253,3 +269,29 @@ def test_stop_request_records_sigint_and_sigterm(tmp_path) -> None:
         dist.destroy_process_group()
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+def test_nan_in_the_pretrained_weights_is_named_at_startup(tiny_pipeline, tmp_path: Path) -> None:
+    """A pretrained folder with a NaN in one tensor, loaded through the trainer's path (`whole_model`, then
+    `check_finite_start`, the end of `build_model`): one line naming the tensor and the folder, before any step
+    could turn it into non-finite losses blamed on the samples."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from train.config import load_recipe
+    from train.errors import UserError
+    from train.modeling import check_finite_start, family_spec, whole_model
+
+    folder = tmp_path / "wan"
+    shutil.copytree(tiny_pipeline("wan"), folder)
+    weights = next((folder / "transformer").glob("*.safetensors"))
+    tensors = load_file(weights)
+    name = next(k for k in tensors if k.endswith("ffn.net.0.proj.weight"))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    recipe = load_recipe(REPO / "recipes/tiny/wan.yaml", [f"model.pretrained_path={folder}", "model.init_config=null"])
+    model = whole_model(recipe, family_spec(recipe.model))
+    with pytest.raises(UserError) as e:
+        check_finite_start(model, recipe.model)
+    assert f"NaN/Inf in 1 tensor(s) ({name}) loaded from {folder}" in str(e.value), e.value

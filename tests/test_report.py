@@ -93,7 +93,33 @@ def test_report_failure_is_one_line_not_an_error(tmp_path: Path, capsys) -> None
     from train.report import main, report_at_end, smooth
 
     assert report_at_end(tmp_path) == []  # no metrics.jsonl: the trainer's run still succeeds
-    assert capsys.readouterr().out.startswith(f"report: not written (FileNotFoundError: {tmp_path / 'metrics.jsonl'}")
+    assert capsys.readouterr().out.startswith(f"report: not written (UserError: {tmp_path / 'metrics.jsonl'}")
     assert main([str(tmp_path)]) == 2
+    capsys.readouterr()
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    assert main([str(tmp_path)]) == 2  # a folder that is not a run's: one line, no traceback
+    assert (
+        capsys.readouterr().err == f"error: {tmp_path} has no recipe.yaml (a run writes it at its start): is it a "
+        "training run's output_dir?\n"
+    )
     # The smoothed loss: a debiased EMA (a constant stays constant), skipped (non-finite) steps passed through.
     assert smooth([2.0, 2.0, math.nan, 2.0]) == pytest.approx([2.0, 2.0, math.nan, 2.0], nan_ok=True)
+
+
+def test_a_torn_last_metrics_line_is_left_out_and_a_damaged_one_named(tmp_path: Path) -> None:
+    """A run killed while writing metrics.jsonl leaves its last line torn: the report and `--resume`
+    (`MetricsLogger.truncate_after`) leave it out and say so; a damaged line before the last is one line naming it."""
+    from train.errors import UserError
+    from train.report import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    good = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2)]
+    path.write_text("\n".join(good) + '\n{"step": 3, "lo')
+    lines, note = read_metrics(path)
+    assert [m["step"] for m in lines] == [
+        1,
+        2,
+    ] and note == f"{path}: its last line (3) is torn (a run stopped while writing it): left out"
+    path.write_text(f"{good[0]}\nnot json\n{good[1]}\n")
+    with pytest.raises(UserError, match=r"metrics.jsonl, line 2: not a metrics line .*restore it, or delete that line"):
+        read_metrics(path)

@@ -6,12 +6,12 @@ run's output_dir is refused by the trainer itself (its ranks forked by the harne
 process group exists, the delivery path tests/test_bad_inputs.py launches as `cache_sample_truncated`). Every wait is on
 the event (a logged step, a pid gone: `wait_until`), never a fixed sleep.
 
-Two long runs (`jobs`, one launch each) serve the three job tests. The stopped run starts first; once it has logged a
-step its rank 1 is SIGSTOPped, and while its watchdog timeout and torchrun's 30 s teardown grace run out (idle waits),
-the other long run starts and is the one a second run is refused by and whose launcher is SIGKILLed. That run is also
-the startup memory check's and bf16 autocast's: `memory_check: warn` with a tiny device, `mixed_precision: bf16`, its
-first 4 steps compared with tests/test_finetune.py's fp32 serial run (the same recipe and seed; the constant schedule
-ignores max_steps).
+Two long runs (one launch each) serve the three job tests. The stopped run (`stopped_rank`, an early scenario) starts
+with the session: once it has logged a step its rank 1 is SIGSTOPped, and its watchdog timeout and torchrun's 30 s
+teardown grace run out (idle waits) while the session's other tests run. The other long run (`jobs`) is the one a second
+run is refused by and whose launcher is SIGKILLed. That run is also the startup memory check's and bf16 autocast's:
+`memory_check: warn` with a tiny device, `mixed_precision: bf16`, its first 4 steps compared with
+tests/test_finetune.py's fp32 serial run (the same recipe and seed; the constant schedule ignores max_steps).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.harness import REPO, env, launch_command, rank_job, spawn, train, wait_until
+from tests.harness import REPO, early, env, launch_command, rank_job, spawn, train, wait_until
 from train import runtime
 from train.errors import UserError
 from train.runtime import LOCK_NAME, OutputLock, diagnose
@@ -162,20 +162,64 @@ def test_process_group_timeout_reaches_gloo(tmp_path: Path, launcher) -> None:
     assert 2.5 <= float(said.split()[2]) <= 30, said
 
 
-# The stopped run's watchdog timeout: > 5 × the slowest step seen (the first, 1.3 s on a 2-core machine at load 8); it
-# reports ~2 polls (1 s) later. Its bound: that timeout plus a generous allowance for a loaded 2-core machine.
-STOP_TIMEOUT_S = 8
+# The stopped run's watchdog timeout: > 5 × the slowest step seen (the first, 1.3 s on a 2-core machine at load 8; the
+# run starts with the session, under its heaviest load); it reports ~2 polls (1 s) later. Its bound: that timeout plus
+# torchrun's 30 s grace plus a generous allowance for a loaded 2-core machine.
+STOP_TIMEOUT_S = 15
 STOP_LIMIT_S = 90 + STOP_TIMEOUT_S
 
 
+@early
+def stopped_rank(root: Path, started: list) -> dict:
+    """The stopped run (`parallel.timeout_s` `STOP_TIMEOUT_S`): rank 1 SIGSTOPped after the first logged step, then
+    the job awaited to its end (~45 s, nearly all of it idle waits: it runs from the start of the session)."""
+    out, log = root / "stopped", root / "stopped.log"
+    job = start(out, log, f"parallel.timeout_s={STOP_TIMEOUT_S}")
+    started.append(job)
+    wait_training(job, out, log)
+    ranks = psutil.Process(job.pid).children(recursive=True)
+    started += ranks
+    rank0 = json.loads((out / LOCK_NAME).read_text())["pid"]
+    t0 = time.monotonic()
+    next(p for p in ranks if p.pid != rank0).send_signal(signal.SIGSTOP)
+    rc = job.wait(timeout=STOP_LIMIT_S + 30)
+    wait_gone([p.pid for p in ranks], max(1.0, STOP_LIMIT_S - (time.monotonic() - t0)))
+    return {"rc": rc, "elapsed": time.monotonic() - t0, "out": out, "log": log.read_text()}
+
+
+@early
+def launcher_killed_early(root: Path, started: list) -> dict:
+    """A 2-rank launch whose launcher is SIGKILLed while its ranks still import (~10 s, before a rank can arm its
+    death signal): the ranks' seconds to be gone, and whether the log had a rank's first line yet."""
+    out, log = root / "early", root / "early.log"
+    job = start(out, log)
+    started.append(job)
+    launcher = psutil.Process(job.pid)
+    wait_until(lambda: len(launcher.children(recursive=True)) >= 2, "the launcher's 2 ranks", 120)
+    ranks = launcher.children(recursive=True)
+    started += ranks
+    importing = "recipe:" not in log.read_text()  # a rank prints the recipe after its imports and the group
+    os.kill(job.pid, signal.SIGKILL)
+    job.wait(timeout=30)
+    return {"importing": importing, "gone_s": wait_gone([r.pid for r in ranks], 90), "log": log.read_text()}
+
+
+def test_launcher_killed_while_its_ranks_import_leaves_no_rank(launcher) -> None:
+    """The launcher (`python -m train.launch`) dies before its ranks could tie themselves to it: each rank sees
+    that its parent is no longer the launcher named in its environment (`CTXTRAIN_LAUNCHER_PID`) and exits once its
+    imports are done, instead of waiting for a rendezvous that never comes."""
+    r = launcher_killed_early.result()
+    print(f"launcher SIGKILLed during the ranks' imports: ranks gone in {r['gone_s']:.1f} s")
+    assert r["importing"], r["log"][-3000:]
+
+
 def _end(launchers: list[subprocess.Popen], ranks: list[psutil.Process]) -> None:
-    """Continue (a stopped rank) and kill what is still running, by process object: never a reused pid."""
+    """Kill what is still running, by process object: never a reused pid."""
     for proc in ranks:
-        for sig in (signal.SIGCONT, signal.SIGKILL):
-            try:
-                proc.send_signal(sig)
-            except psutil.NoSuchProcess:
-                break
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
     for launcher in launchers:
         launcher.kill()  # a no-op once it has been waited for
         launcher.wait(timeout=30)
@@ -183,27 +227,14 @@ def _end(launchers: list[subprocess.Popen], ranks: list[psutil.Process]) -> None
 
 @pytest.fixture(scope="module")
 def jobs(runs, tmp_path_factory) -> Iterator[dict]:
-    """The two long 2-rank runs, each with its launcher, ranks, folder and log: "stopped" (`parallel.timeout_s`
-    `STOP_TIMEOUT_S`), rank 1 SIGSTOPped (at `t0`) after its first logged step, then the serial run (the bf16
-    reference: a memoised launch), then "long" (`MEMORY_BF16`) into an output_dir holding a stale lock, once it has
-    logged 4 steps. Both ended here at the latest."""
+    """The long 2-rank run (`MEMORY_BF16`) into an output_dir holding a stale lock, once it has logged 4 steps, with
+    its launcher, ranks, folder and log, and the serial run (the bf16 reference: a memoised launch). Ended here at the
+    latest."""
     root = tmp_path_factory.mktemp("jobs")
     started: list[subprocess.Popen] = []
     children: list[psutil.Process] = []
     try:
-        out, log = root / "stopped", root / "stopped.log"
-        job = start(out, log, f"parallel.timeout_s={STOP_TIMEOUT_S}")
-        started.append(job)
-        wait_training(job, out, log)
-        children += psutil.Process(job.pid).children(recursive=True)
-        ranks = [c.pid for c in children]
-        rank0 = json.loads((out / LOCK_NAME).read_text())["pid"]
-        t0 = time.monotonic()
-        os.kill(next(p for p in ranks if p != rank0), signal.SIGSTOP)
-        stopped = {"proc": job, "ranks": ranks, "out": out, "log": log, "t0": t0}
-
         serial = runs(TINY, *SERIAL)
-
         out, log = root / "long", root / "long.log"
         out.mkdir()
         stale = {"host": socket.gethostname(), "pid": dead_pid(), "started": "2020-01-01T00:00:00+00:00"}
@@ -214,7 +245,7 @@ def jobs(runs, tmp_path_factory) -> Iterator[dict]:
         children += (more := psutil.Process(first.pid).children(recursive=True))
         ranks = [c.pid for c in more]
         long = {"proc": first, "ranks": ranks, "out": out, "log": log, "stale": stale}
-        yield {"stopped": stopped, "long": long, "serial": serial}
+        yield {"long": long, "serial": serial}
     finally:
         _end(started, children)
 
@@ -258,24 +289,21 @@ def test_second_run_refused_and_launcher_death_leaves_no_rank(jobs, launcher) ->
     print(f"launcher SIGKILLed: ranks gone in {gone:.1f} s")
 
 
-def test_stopped_rank_ends_the_job_naming_it(jobs, launcher) -> None:
-    """SIGSTOP of rank 1 mid-run: rank 0's watchdog (`parallel.timeout_s`, a few tiny steps' worth here) names the
-    stopped rank in one line and exits, the launcher ends the job within `STOP_LIMIT_S` of the SIGSTOP, and rank 0
-    has released the lock. Most of that time is torchrun's: it SIGTERMs rank 1, which a stopped process cannot act
-    on, and SIGKILLs it 30 s later (torch 2.13's agent passes no shutdown_timeout on this path:
+def test_stopped_rank_ends_the_job_naming_it(launcher) -> None:
+    """SIGSTOP of rank 1 mid-run (`stopped_rank`): rank 0's watchdog (`parallel.timeout_s`, a few tiny steps' worth
+    here) names the stopped rank in one line and exits, the launcher ends the job within `STOP_LIMIT_S` of the
+    SIGSTOP, and rank 0 has released the lock. Most of that time is torchrun's: it SIGTERMs rank 1, which a stopped
+    process cannot act on, and SIGKILLs it 30 s later (torch 2.13's agent passes no shutdown_timeout on this path:
     TORCH_ELASTIC_SHUTDOWN_TIMEOUT does not reach it)."""
-    job, ranks, out, log, t0 = (jobs["stopped"][k] for k in ("proc", "ranks", "out", "log", "t0"))
-    rc = job.wait(timeout=max(1.0, STOP_LIMIT_S + 30 - (time.monotonic() - t0)))
-    wait_gone(ranks, max(1.0, STOP_LIMIT_S - (time.monotonic() - t0)))
-    elapsed = time.monotonic() - t0
-    text = log.read_text()
+    job = stopped_rank.result()
+    text = job["log"]
     lines = [x for x in text.splitlines() if x.startswith("error:")]
-    print(f"rank 1 SIGSTOPped: job gone in {elapsed:.1f} s (timeout_s {STOP_TIMEOUT_S}): {lines}")
-    assert rc != 0 and elapsed <= STOP_LIMIT_S, text[-4000:]
+    print(f"rank 1 SIGSTOPped: job gone in {job['elapsed']:.1f} s (timeout_s {STOP_TIMEOUT_S}): {lines}")
+    assert job["rc"] != 0 and job["elapsed"] <= STOP_LIMIT_S, text[-4000:]
     assert len(lines) == 1 and lines[0].startswith("error: rank 0: stuck for "), text[-4000:]
     assert "in train_step at step" in lines[0] and "ranks [1] did not arrive" in lines[0], lines
     assert " from train/" in lines[0], lines  # the collective and where the trainer called it
-    assert not (out / LOCK_NAME).exists()  # rank 0 released the lock on its way out
+    assert not (job["out"] / LOCK_NAME).exists()  # rank 0 released the lock on its way out
 
 
 def _ranks_agree(rank: int, world: int) -> dict:

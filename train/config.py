@@ -252,14 +252,14 @@ class TrainConfig(Section):
     """Samples per micro-batch per data-parallel group (the cp ranks of a group share the same samples)."""
     grad_accum: Positive = 1
     """Micro-batches accumulated per optimizer step."""
-    lr: float = Field(1e-4, gt=0)
-    """Peak learning rate (AdamW)."""
+    lr: float = Field(1e-4, gt=0, le=100)
+    """Peak learning rate (AdamW; fine-tuning rates are ~1e-6 to 1e-3, above 100 is a typo)."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """Learning-rate decay after warmup: constant, linear to 0, or cosine to 0 at max_steps."""
     warmup_steps: int = Field(0, ge=0)
     """Steps of linear warmup from 0 to lr, with every schedule (constant too): logged step s ≤ N trains at
     (s - 1) / N × lr (the logged `lr`)."""
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, le=10)
     """AdamW decoupled weight decay."""
     betas: Annotated[list[float], AfterValidator(_betas)] = Field(default_factory=lambda: [0.9, 0.999])
     """AdamW (beta1, beta2), each in [0, 1)."""
@@ -419,7 +419,8 @@ class CheckpointConfig(Section):
     keep_last: Positive = 2
     """Number of most recent checkpoints kept in output_dir/checkpoints."""
     resume: bool = False
-    """Continue from the latest checkpoint in output_dir/checkpoints (start fresh when there is none)."""
+    """Continue the run recorded in output_dir from its latest checkpoint; with none, start fresh, unless output_dir
+    holds a run's state (then refused: train/rundir.py). `--resume` insists: nothing to resume is refused."""
     export: Literal["auto", "full", "lora", "none"] = "auto"
     """Final weights written to output_dir: auto = what was trained (lora adapters or the full transformer)."""
 

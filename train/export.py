@@ -10,11 +10,18 @@ exported as the plain transformer with the adapters merged into their base weigh
 
 LoRA weights (`export_lora`): the pipeline's `save_lora_weights` (with the adapter metadata, so `lora_alpha != r`
 reloads with the right scale). Adapters are small: they are gathered whole to rank 0.
+
+Both are atomic: written into `<out_dir>/.<name>.partial/` and renamed to `<out_dir>/<name>/` once complete (a previous
+export of that name is replaced only then), so a killed or failed export never leaves a folder that looks like a
+model. A write that fails on rank 0 (disk full, permissions) is recorded while every rank still takes part in the
+gathers; then every rank raises `ExportFailed` together (the trainer checkpoints and says where).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +37,55 @@ from train.errors import UserError
 
 # diffusers' names: diffusion_pytorch_model-00001-of-00003.safetensors, or diffusion_pytorch_model.safetensors alone
 _SHARD_PATTERN = SAFETENSORS_WEIGHTS_NAME.replace(".safetensors", "{suffix}.safetensors")
+
+
+class ExportFailed(Exception):
+    """Rank 0 could not write the export (raised on every rank, with its cause); nothing was published."""
+
+    def __init__(self, final: Path, cause: str) -> None:
+        super().__init__(f"{final}: {cause}")
+        self.final, self.cause = final, cause
+
+
+class _Publish:
+    """One export's writes by rank 0 into its staging folder, then the rename into place (see the module docstring).
+    `write(fn, ...)` runs on rank 0 only, and not at all after a failed write."""
+
+    def __init__(self, out_dir: Path, name: str) -> None:
+        self.final, self.staging = out_dir / name, out_dir / f".{name}.partial"
+        self.rank0, self.error = dist.get_rank() == 0, None
+        self.write(self._fresh)
+
+    def _fresh(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)  # a killed export's leftover
+        self.staging.mkdir(parents=True)
+
+    def write(self, fn: Callable, *args) -> None:
+        if self.rank0 and self.error is None:
+            try:
+                fn(*args)
+            except Exception as e:  # noqa: BLE001 — any failed write (OSError, safetensors' own IoError): reported
+                self.error = f"{type(e).__name__}: {e}"
+
+    def _swap(self) -> None:
+        old = self.final.with_name(f".{self.final.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        if self.final.exists():
+            self.final.rename(old)
+        self.staging.rename(self.final)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def finish(self) -> Path:
+        """Collective: publish, or raise `ExportFailed` on every rank (the partial folder removed)."""
+        self.write(self._swap)
+        box = [self.error]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        if box[0] is not None:
+            if self.rank0:
+                shutil.rmtree(self.staging, ignore_errors=True)
+            raise ExportFailed(self.final, box[0])
+        return self.final
 
 
 @dataclass(frozen=True)
@@ -109,13 +165,9 @@ def export_full(model: torch.nn.Module, out_dir: Path, max_shard_size: int | str
     # The plan, from shapes and dtypes alone (meta tensors: no memory): the same on every rank.
     shapes = {e.key: torch.empty(state[e.source].shape, dtype=state[e.source].dtype, device="meta") for e in entries}
     plan = split_torch_state_dict_into_shards(shapes, max_shard_size=max_shard_size, filename_pattern=_SHARD_PATTERN)
-    path = out_dir / "transformer"
-    rank = dist.get_rank()
-    if rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        for stale in path.glob(_SHARD_PATTERN.format(suffix="*") + "*"):
-            stale.unlink()  # a previous export's shards (a different plan would leave some of them behind)
-        _save_config(model, path)
+    publish, rank = _Publish(out_dir, "transformer"), dist.get_rank()
+    path = publish.staging
+    publish.write(_save_config, model, path)
 
     left = {name: len(keys) for name, keys in plan.filename_to_tensors.items()}
     open_shards: dict[str, dict[str, torch.Tensor]] = {name: {} for name in left}
@@ -137,12 +189,12 @@ def export_full(model: torch.nn.Module, out_dir: Path, max_shard_size: int | str
         left[name] -= 1
         if left[name] == 0:
             shard = open_shards.pop(name)
-            save_file(shard, str(path / name), metadata={"format": "pt"})
+            publish.write(save_file, shard, str(path / name), {"format": "pt"})
             buffered -= sum(t.nbytes for t in shard.values())
-    if rank == 0 and plan.is_sharded:
+    if plan.is_sharded:
         index = {"metadata": dict(plan.metadata), "weight_map": plan.tensor_to_filename}
-        (path / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    dist.barrier()
+        publish.write((path / SAFE_WEIGHTS_INDEX_NAME).write_text, json.dumps(index, indent=2, sort_keys=True) + "\n")
+    path = publish.finish()
     return Exported(path, len(plan.filename_to_tensors), plan.metadata["total_size"], peak)
 
 
@@ -157,17 +209,15 @@ def export_lora(model: torch.nn.Module, pipeline_class: str, out_dir: Path) -> P
     from peft.utils import get_peft_model_state_dict
 
     state = _full_state_dict(model, trainable_only=True)
-    path = out_dir / "lora"
+    publish = _Publish(out_dir, "lora")
     if dist.get_rank() == 0:
         lora = get_peft_model_state_dict(model, state_dict=state)
         pipeline = getattr(diffusers, pipeline_class)
         if not hasattr(pipeline, "save_lora_weights"):  # no LoRA loader (HunyuanVideo15Pipeline in diffusers 0.42.1):
             # the same transformer-only file, for `pipe.transformer.load_lora_adapter(dir, prefix="transformer")`
             pipeline = diffusers.loaders.HunyuanVideoLoraLoaderMixin
-        pipeline.save_lora_weights(
-            path,
-            transformer_lora_layers=lora,
-            transformer_lora_adapter_metadata=model.peft_config["default"].to_dict(),
-        )
-    dist.barrier()
+        metadata = model.peft_config["default"].to_dict()
+        publish.write(lambda: pipeline.save_lora_weights(publish.staging, transformer_lora_layers=lora,
+                                                         transformer_lora_adapter_metadata=metadata))  # fmt: skip
+    path = publish.finish()
     return path

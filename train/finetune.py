@@ -13,6 +13,7 @@ comes from its spec (train/models/<family>/) and CP plan (cp_plans/).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -20,9 +21,10 @@ import signal
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 if __package__ in (None, ""):  # `accelerate launch train/finetune.py` runs this file as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -34,11 +36,12 @@ if __name__ == "__main__":  # recipe, degree and path errors within a second, be
 import torch
 import torch.distributed as dist
 
-from train import runtime
+from train import rundir, runtime
 from train.checkpoint import (
     AppState,
     complete_checkpoints,
     latest_checkpoint,
+    parameters_finite,
     read_trainer_state,
     restore,
     save_checkpoint,
@@ -55,7 +58,7 @@ from train.config import (
 from train.data.batches import Batches, build_dataset, check_text_lengths, make_batches
 from train.errors import UserError, report
 from train.estimate import startup_check
-from train.export import export_full, export_lora
+from train.export import ExportFailed, export_full, export_lora
 from train.metrics import MetricsLogger, peak_memory_bytes
 from train.modeling import build_model, check_model, describe_start, family_spec
 from train.models import cache_reads
@@ -216,8 +219,9 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
             "bad_steps": tr.bad.total}  # fmt: skip
 
 
-def bad_steps_error(streak: list[BadStep]) -> UserError:
-    """The error that stops a run after `train.max_bad_steps` non-finite steps in a row. It names each step's samples:
+def bad_steps_error(streak: list[BadStep], ended: bool = False) -> UserError:
+    """The error that stops a run after `train.max_bad_steps` non-finite steps in a row (`ended`: a run whose last
+    steps were non-finite and skipped, after its export of the last applied step). It names each step's samples:
     those of the data-parallel groups whose own loss was non-finite, else (a diverging run: the loss finite and the
     gradient norm not, or every group's loss bad) all of them. A collective: every rank took the same decisions."""
     streaks = [None] * dist.get_world_size()
@@ -228,12 +232,13 @@ def bad_steps_error(streak: list[BadStep]) -> UserError:
         culprits = [b for b in seen if b.own_loss_bad] or seen
         ids = dict.fromkeys(x for b in culprits for x in b.samples)  # CP peers share their samples: each once
         steps.append(f"step {bad.step} (loss {bad.loss:.3g}, grad norm {bad.grad_norm:.3g}): {', '.join(ids)}")
-    n = len(streak)
-    return UserError(
-        f"stopped at step {streak[-1].step}: {n} step{'s' * (n > 1)} in a row had a non-finite loss or gradient norm "
-        f"(train.max_bad_steps), none applied; samples: {'; '.join(steps)}. Check those samples for NaN/Inf or huge "
-        "values, or lower train.lr / set train.max_grad_norm"
-    )
+    n, last, were = len(streak), streak[0].step - 1, "were" if len(streak) > 1 else "was"
+    what = (f"the run's last {n} step{'s' * (n > 1)} had a non-finite loss or gradient norm and {were} skipped (the "
+            f"export holds step {last}'s weights, the last applied)" if ended else f"stopped at step "
+            f"{streak[-1].step}: {n} step{'s' * (n > 1)} in a row had a non-finite loss or gradient norm "
+            "(train.max_bad_steps), none applied")  # fmt: skip
+    return UserError(f"{what}; samples: {'; '.join(steps)}. Check those samples for NaN/Inf or huge values, or lower "
+                     "train.lr / set train.max_grad_norm")  # fmt: skip
 
 
 def build_optimizer(params: list[torch.nn.Parameter], t: TrainConfig):
@@ -253,25 +258,34 @@ def lr_schedule(optimizer: torch.optim.Optimizer, t: TrainConfig, steps: int) ->
 def job_identity(recipe: Recipe, args: argparse.Namespace) -> dict:
     """What every rank of one job must share (`runtime.check_ranks_agree`): the resolved recipe (not the file's
     path: nodes may hold copies elsewhere), the flags that change the run, and the code version."""
-    flags = {"resume": args.resume, "reset_lr_schedule": args.reset_lr_schedule}
+    flags = {"resume": args.resume, "reset_lr_schedule": args.reset_lr_schedule,
+             "archive_previous": args.archive_previous}  # fmt: skip
     return {"recipe": recipe_to_dict(recipe), "flags": flags, "code": runtime.code_digest()}
 
 
-def checkpoint_state(recipe: Recipe, step: int, scheduler, batches: Batches, mesh: Mesh) -> dict:
+def save_state(recipe: Recipe, run: dict, app: AppState, scheduler, batches: Batches, mesh: Mesh, step: int):
+    """Checkpoint `step` (collective): its path, or None from non-finite weights (train/checkpoint.py)."""
+    state = checkpoint_state(recipe, run, step, scheduler, batches, mesh)
+    return save_checkpoint(recipe.output_dir, step, app, state, recipe.checkpoint.keep_last)
+
+
+def checkpoint_state(recipe: Recipe, run: dict, step: int, scheduler, batches: Batches, mesh: Mesh) -> dict:
     """What a checkpoint holds besides the DCP shards: plain data (JSON), read back without running any code: the
-    step, scheduler and data position, and the recipe and layout it was trained with (checked at resume)."""
+    run's id (train/rundir.py), the step, scheduler and data position, and the recipe and layout it was trained with
+    (checked at resume)."""
     dims = mesh.dims
-    return {"step": step, "scheduler": scheduler.state_dict(), "data": batches.state_dict(),
+    return {"run_id": run["run"]["id"], "step": step, "scheduler": scheduler.state_dict(), "data": batches.state_dict(),
             "recipe": recipe_to_dict(recipe), "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
             "cp": dims.cp, "world_size": dims.world_size}}  # fmt: skip
 
 
-def resume(recipe: Recipe, args: argparse.Namespace, app: AppState, scheduler, batches: Batches,
+def resume(recipe: Recipe, run: dict, args: argparse.Namespace, app: AppState, scheduler, batches: Batches,
            metrics: MetricsLogger, mesh: Mesh):  # fmt: skip
-    """(the step to start from, the scheduler): the latest complete checkpoint's when resuming, its recipe compared
-    with this one field by field (train/resume.py: what cannot apply exactly is refused, the rest applied), else 0."""
+    """(the step to start from, the scheduler): when `run` resumes (train/rundir.py `claim`: the folder's checkpoints
+    are this run's), the latest complete checkpoint's, its recipe compared with this one field by field
+    (train/resume.py: what cannot apply exactly is refused, the rest applied), else 0."""
     out_dir, t = Path(recipe.output_dir), recipe.train
-    found = complete_checkpoints(out_dir) if args.resume or recipe.checkpoint.resume else []
+    found = complete_checkpoints(out_dir) if run["resume"] else []
     if not found:
         metrics.truncate_after(0)  # a fresh run in a used output_dir starts a fresh metrics.jsonl
         return 0, scheduler
@@ -306,18 +320,44 @@ def resume(recipe: Recipe, args: argparse.Namespace, app: AppState, scheduler, b
         print(f"resumed from {ckpt} at step {start}")
         for line in plan.applied + plan.notes:
             print(f"resume: {line}")
+        if start >= t.max_steps:
+            print(f"resume: step {start} is already train.max_steps ({t.max_steps}): nothing to train; the export "
+                  f"of step {start}'s weights follows (raise train.max_steps to train on)")  # fmt: skip
     return start, scheduler
 
 
-def finish(out_dir: Path, metrics: MetricsLogger, watchdog: runtime.Watchdog) -> None:
-    """After the export: every rank done, the run report, the trackers closed, the process group destroyed."""
-    dist.barrier()
+def claim_output_dir(recipe: Recipe, args: argparse.Namespace, out_dir: Path) -> dict:
+    """One run per output_dir: rank 0 holds out_dir/.lock until exit and decides under it whether this run resumes
+    the run recorded there, starts fresh, or is refused (another run's state is never overwritten: train/rundir.py).
+    Collective; the same outcome on every rank."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mode = "required" if args.resume else "auto" if recipe.checkpoint.resume else "no"
+    run = runtime.lock_output_dir(out_dir, lambda: rundir.claim(out_dir, mode, args.archive_previous, recipe.name))
+    if run["note"] and dist.get_rank() == 0:
+        print(run["note"])
+    return run
+
+
+def finish(out_dir: Path, step: int, metrics: MetricsLogger, watchdog: runtime.Watchdog, stop: StopRequest,
+           bad_streak: list[BadStep]) -> None:  # fmt: skip
+    """After the export: every rank done, the run report, the trackers closed, the process group destroyed. A
+    SIGINT/SIGTERM that came after the loop (during the export) waited for it: the run is complete, said so, and
+    marked for the launcher (exit 0). A run whose last steps were skipped as non-finite (`bad_streak`: its export
+    holds the last applied step's weights) then fails, naming them."""
+    ended_bad = bad_steps_error(bad_streak, ended=True) if bad_streak else None  # a collective
+    in_loop = stop.agreed_signal
+    late = stop.agreed()  # a collective: also every rank's arrival
     watchdog.idle()
     if dist.get_rank() == 0:  # plots + report.md from the files written; never fails the run (train/report.py)
         metrics.log_images(report_at_end(out_dir))
+        if late and not in_loop:
+            print(f"{late} arrived after the last step: the export finished first; the run is complete", flush=True)
+            mark_stopped(out_dir, step, late, completed=True)
     metrics.close()  # ends accelerate's trackers (which may tear the process group down): after the last collective
     if dist.is_initialized():
         dist.destroy_process_group()
+    if ended_bad is not None:
+        raise ended_bad
 
 
 def announce_stop(out_dir: Path, step: int, signal_name: str, ckpt: Path | None) -> None:
@@ -327,7 +367,13 @@ def announce_stop(out_dir: Path, step: int, signal_name: str, ckpt: Path | None)
         return
     where = ckpt or latest_checkpoint(out_dir)  # save_checkpoint writes nothing from non-finite weights: the last good
     print(f"stopped by {signal_name} after step {step}; checkpoint: {where}; resume with --resume", flush=True)
-    marker = {"step": step, "signal": signal_name, "checkpoint": str(where), "time": time.time()}
+    mark_stopped(out_dir, step, signal_name, checkpoint=str(where))
+
+
+def mark_stopped(out_dir: Path, step: int, signal_name: str, **more: Any) -> None:
+    """`stopped.json`: the job ended by a signal the trainer handled (a checkpointed stop, or a run completed
+    despite it); `python -m train.launch` exits 0 for it, not 128 + the signal."""
+    marker = {"step": step, "signal": signal_name, "time": time.time(), **more}
     (out_dir / "stopped.json").write_text(json.dumps(marker))
 
 
@@ -352,16 +398,39 @@ def print_layout(
         (out_dir / "layout.json").write_text(json.dumps(layout, indent=1))
 
 
-def export(recipe: Recipe, spec: FamilySpec, model: torch.nn.Module, out_dir: Path) -> None:
+def final_checkpoint(out_dir: Path, step: int, save: Callable[[int], Path | None]) -> Path | None:
+    """The checkpoint of the run's last step: the one saved there already, else one written now (None when it cannot
+    be: non-finite weights)."""
+    latest = latest_checkpoint(out_dir)
+    return latest if latest is not None and latest.name == f"step_{step:06d}" else save(step)
+
+
+def export(recipe: Recipe, spec: FamilySpec, model: torch.nn.Module, out_dir: Path,
+           checkpoint: Callable[[], Path | None]) -> None:  # fmt: skip
+    """The final weights (train/export.py: written aside, renamed into place when complete). Refused from non-finite
+    weights; when a write fails, the trained state is checkpointed (`checkpoint()`) and the error says where."""
     kind = recipe.finetune.method if recipe.checkpoint.export == "auto" else recipe.checkpoint.export
-    if kind == "lora":
-        path = export_lora(model, spec.pipeline_class, out_dir)
-    elif kind == "full":
-        full = export_full(model, out_dir)
-        path = full.path
-        if dist.get_rank() == 0:  # streamed: rank 0 never holds more than one shard + one tensor
-            print(f"export: {full.shards} shard(s), {full.total_bytes / 2**20:.1f} MiB; rank 0 peak buffered "
-                  f"{full.peak_buffered_bytes / 2**20:.1f} MiB")  # fmt: skip
+    if kind != "none" and not parameters_finite(model):
+        raise UserError(f"the trained weights are not finite (NaN/Inf): nothing exported (the latest checkpoint: "
+                        f"{latest_checkpoint(out_dir) or 'none'}); lower train.lr or set train.max_grad_norm, and "
+                        "check the pretrained weights and the data for NaN/Inf")  # fmt: skip
+    try:
+        if kind == "lora":
+            path = export_lora(model, spec.pipeline_class, out_dir)
+        elif kind == "full":
+            full = export_full(model, out_dir)
+            path = full.path
+            if dist.get_rank() == 0:  # streamed: rank 0 never holds more than one shard + one tensor
+                print(f"export: {full.shards} shard(s), {full.total_bytes / 2**20:.1f} MiB; rank 0 peak buffered "
+                      f"{full.peak_buffered_bytes / 2**20:.1f} MiB")  # fmt: skip
+    except ExportFailed as e:
+        try:
+            ckpt = checkpoint()
+            kept = f"the trained state is in checkpoint {ckpt}: fix the cause, then rerun with --resume to export it"
+        except Exception as again:  # noqa: BLE001 — said in the one line: where the run's state is (nowhere)
+            kept = (f"the checkpoint written in its place failed too ({type(again).__name__}: {again}); the last "
+                    f"complete checkpoint is {latest_checkpoint(out_dir) or 'none'}")  # fmt: skip
+        raise UserError(f"export of the {kind} weights to {e.final} failed ({e.cause}); {kept}") from None
     if dist.get_rank() == 0:
         print(f"metrics: {out_dir / 'metrics.jsonl'}")
         if kind != "none":
@@ -378,6 +447,11 @@ def parse_args(argv: list[str] | None) -> tuple[Recipe, argparse.Namespace]:
         "--reset-lr-schedule",
         action="store_true",
         help="on resume, restart the lr schedule (lr, lr_schedule, warmup_steps) at the resume step",
+    )
+    parser.add_argument(
+        "--archive-previous",
+        action="store_true",
+        help="a fresh run into an output_dir holding another run's state moves that run into output_dir/archive/ first",
     )
     parser.add_argument("--debug", action="store_true", help="show the traceback of a user error")
     args = parser.parse_args(argv)
@@ -403,8 +477,7 @@ def main(argv: list[str] | None = None) -> None:
     spec = family_spec(recipe.model)  # the family's spec, with the recipe's flow_shift
     amp = autocast_dtype(t.mixed_precision, device)
     out_dir = Path(recipe.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    runtime.lock_output_dir(out_dir)  # one run per output_dir: rank 0 holds out_dir/.lock until exit, else one line
+    run = claim_output_dir(recipe, args, out_dir)  # this run's identity; whether it resumes the one recorded there
     watchdog = runtime.Watchdog.start(recipe.parallel.timeout_s)  # a phase stuck past timeout_s: one line, exit
 
     # --- data: every rank of a CP group reads the same batches; DP groups read different ones. First: a cache that
@@ -427,7 +500,7 @@ def main(argv: list[str] | None = None) -> None:
     # --- resume ---------------------------------------------------------------------------------------------------
     app = AppState(model, optimizer, trainable_only=recipe.finetune.method == "lora")
     metrics = MetricsLogger(accelerator, out_dir, recipe_to_dict(recipe), recipe.logging, recipe.name or "run")
-    start, scheduler = resume(recipe, args, app, scheduler, batches, metrics, mesh)
+    start, scheduler = resume(recipe, run, args, app, scheduler, batches, metrics, mesh)
     print_layout(recipe, mesh, parallel, amp, sum(p.numel() for p in params), out_dir)
     batches.check_contract(mesh)  # a cheap cross-rank hash of the next batch: CP peers equal, DP groups differ
 
@@ -443,6 +516,7 @@ def main(argv: list[str] | None = None) -> None:
 
         steps = tqdm(steps, initial=start, total=t.max_steps, desc="train")
     stop = StopRequest(device)  # from here on SIGINT/SIGTERM finish the step, write a checkpoint and exit 0
+    save = functools.partial(save_state, recipe, run, app, scheduler, batches, mesh)  # save(step): its checkpoint
     for step in steps:
         watchdog.phase("train_step", step + 1)
         line = train_step(trainer, step)
@@ -455,17 +529,16 @@ def main(argv: list[str] | None = None) -> None:
         every = recipe.checkpoint.every_n_steps
         if stopped_by or (every and (step + 1) % every == 0):
             watchdog.phase("checkpoint", step + 1)
-            state = checkpoint_state(recipe, step + 1, scheduler, batches, mesh)
-            ckpt = save_checkpoint(out_dir, step + 1, app, state, recipe.checkpoint.keep_last)
+            ckpt = save(step + 1)
         if stopped_by:
             announce_stop(out_dir, step + 1, stopped_by, ckpt)
             break
 
-    # --- export ---------------------------------------------------------------------------------------------------
+    # --- export: atomic, never from non-finite weights; a failed one checkpoints first (resume exports it) ----------
     watchdog.phase("export", t.max_steps)
     if not stop.agreed_signal:  # a stopped run resumes from its checkpoint and exports at its end
-        export(recipe, spec, model, out_dir)
-    finish(out_dir, metrics, watchdog)
+        export(recipe, spec, model, out_dir, lambda: final_checkpoint(out_dir, t.max_steps, save))
+    finish(out_dir, t.max_steps, metrics, watchdog, stop, trainer.bad.streak)
 
 
 def run_cli() -> int:

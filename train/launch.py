@@ -11,12 +11,15 @@ preemption) stops a job that checkpointed cleanly. Here:
 - a rank failed: exit with the first failed rank's exit code (2 for a user error, whose one line the rank printed)
   and one closing line naming the rank, instead of the traceback;
 - SIGINT/SIGTERM: exit 0 when the trainer stopped cleanly (it wrote `<output_dir>/stopped.json` at the step it
-  checkpointed, after this launch began), else 128 + the signal number.
+  checkpointed, or at the end of a run it completed, after this launch began), else 128 + the signal number;
+- its pid in the ranks' environment (`CTXTRAIN_LAUNCHER_PID`): a rank whose launcher was killed while the rank was
+  still importing exits as soon as it can tell (train/runtime.py `die_with_launcher`), never left running.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -43,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from train.runtime import LAUNCHER_PID_ENV
+
     argv = sys.argv[1:] if argv is None else argv
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks' parent: a rank whose launcher died exits at once
     started = time.time()
     try:
         launch_command(launch_command_parser().parse_args(argv))

@@ -68,11 +68,16 @@ class MetricsLogger:
             self.accelerator.log({"step": step, **media}, step=step)
 
     def truncate_after(self, step: int) -> None:
-        """On resume, drop lines of steps after the checkpoint (they will be logged again, identically)."""
+        """On resume, drop lines of steps after the checkpoint (they will be logged again, identically), and a torn
+        last line (the run was killed while writing it)."""
+        from train.report import read_metrics
+
         if not self.is_main or not self.path.exists():
             return
-        lines = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
-        self.path.write_text("".join(ln + "\n" for ln in lines))
+        lines, note = read_metrics(self.path)
+        if note:
+            print(f"resume: {note}")
+        self.path.write_text("".join(json.dumps(ln) + "\n" for ln in lines if ln["step"] <= step))
 
     def close(self) -> None:
         if self.is_main and self.use_wandb:

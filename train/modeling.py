@@ -315,7 +315,28 @@ def build_model(
                 full = {**base.state_dict(), **lora}
             names = {_base_key(n): n for n in model.state_dict()}
             _set_full(model, {names.get(k, k): v for k, v in full.items()}, broadcast=True)
+    check_finite_start(model, cfg)
     return model, parallel
+
+
+def check_finite_start(model: torch.nn.Module, cfg: ModelConfig) -> None:
+    """The weights the run starts from are finite (a collective; each rank checks its own shards). NaN/Inf in a
+    pretrained checkpoint would make every step non-finite, and the bad-step guard would blame the samples."""
+    local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731 — a DTensor's shard
+    bad = [name for name, p in model.named_parameters() if not torch.isfinite(local(p)).all()]
+    flag = torch.tensor(len(bad), device=next(model.parameters()).device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not flag:
+        return
+    names = [bad]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        names = [None] * dist.get_world_size()
+        dist.all_gather_object(names, bad)
+    found = list(dict.fromkeys(n for part in names for n in part))
+    source = cfg.pretrained_path or "the random init (model.init_config)"
+    raise UserError(f"the starting weights hold NaN/Inf in {len(found)} tensor(s) ({', '.join(found[:3])}) loaded "
+                    f"from {source}: that checkpoint is damaged; download or convert it again")  # fmt: skip
 
 
 def materialize(model: torch.nn.Module, device: torch.device) -> None:

@@ -32,6 +32,7 @@ import csv
 import functools
 import json
 import os
+import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -173,6 +174,24 @@ def _caption(value: Any) -> str | None:
     return value if isinstance(value, str) and value.strip() else None
 
 
+def _say_repeats(meta: Path, rows: list[dict[str, Any]]) -> None:
+    """A row repeated exactly (same file, caption and every other field) becomes a sample trained twice as often:
+    said once, naming the rows (a deliberate repeat is allowed)."""
+    first: dict[str, int] = {}
+    repeats = []
+    for i, row in enumerate(rows):
+        key = json.dumps(row, sort_keys=True, default=str)
+        if key in first:
+            repeats.append((first[key], i))
+        else:
+            first[key] = i
+    if repeats and os.environ.get("RANK", "0") == "0":  # once per job
+        pairs = ", ".join(f"row {b + 1} repeats row {a + 1}" for a, b in repeats[:3])
+        more = f" (+{len(repeats) - 3} more)" if len(repeats) > 3 else ""
+        print(f"warning: {meta}: {len(repeats)} repeated row(s), each a sample of its own (trained twice as often): "
+              f"{pairs}{more}; delete them if they are not meant as repeats", file=sys.stderr, flush=True)  # fmt: skip
+
+
 def _folder_listing(
     root: Path, meta: Path | None, caption_column: str, media_column: str | None, reference_column: str = "reference"
 ) -> _Listing:
@@ -182,6 +201,7 @@ def _folder_listing(
         if not rows:
             raise PrepareError(f"{meta}: no rows")
         key = _pick_media_key(rows[0].keys(), media_column, str(meta))
+        _say_repeats(meta, rows)
         for i, row in enumerate(rows):
             rel, ref = str(row.get(key) or ""), row.get(reference_column)
             ref = str(root / ref) if isinstance(ref, str) and ref else None  # relative to the metadata file
@@ -212,16 +232,25 @@ def _json_object(path: Path, text: str, line: int | None = None) -> dict[str, An
     return row
 
 
+def _utf8_error(meta: Path, e: UnicodeDecodeError) -> PrepareError:
+    return PrepareError(f"{meta}: not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start}): save it as UTF-8 "
+                        "(e.g. `iconv -f latin1 -t utf-8`)")  # fmt: skip
+
+
 def _jsonl_rows(meta: Path) -> list[dict[str, Any]]:
-    """The rows of a metadata.jsonl file (one JSON object a line; blank lines skipped)."""
-    return [_json_object(meta, line, n) for n, line in enumerate(meta.read_text().splitlines(), 1) if line.strip()]
+    """The rows of a metadata.jsonl file (UTF-8, a BOM allowed; one JSON object a line; blank lines skipped)."""
+    try:
+        text = meta.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise _utf8_error(meta, e) from None
+    return [_json_object(meta, line, n) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
 
 
 def _csv_rows(meta: Path) -> list[dict[str, Any]]:
     """The rows of a metadata.csv file (a header line, then one row a line); a row whose field count differs from the
     header's (an unquoted comma in a caption) is an error naming its line."""
     rows = []
-    with open(meta, newline="") as f:
+    with open(meta, newline="", encoding="utf-8-sig") as f:  # a BOM (spreadsheet exports) is not part of the header
         reader = csv.DictReader(f)
         try:
             for row in reader:
@@ -236,6 +265,8 @@ def _csv_rows(meta: Path) -> list[dict[str, Any]]:
                 rows.append(row)
         except csv.Error as e:
             raise PrepareError(f"{meta}:{reader.line_num}: malformed CSV ({e}): fix that row") from None
+        except UnicodeDecodeError as e:
+            raise _utf8_error(meta, e) from None
     return rows
 
 

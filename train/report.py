@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from train.config import Recipe, load_recipe
+from train.errors import UserError, report
 
 SMOOTHING = 0.9  # EMA weight of the smoothed loss (as wandb / TensorBoard "smoothing"), debiased at the start
 # (metrics.jsonl key, file stem, y label, scale): one chart each; the loss chart also draws the smoothed curve
@@ -63,11 +64,36 @@ def record_memory(out_dir: Path, recipe: Recipe, world_size: int, device_type: s
     (out_dir / "memory.json").write_text(json.dumps(record, indent=1))
 
 
+def read_metrics(path: Path) -> tuple[list[dict], str | None]:
+    """metrics.jsonl's lines, and a note when its last line was torn (a run killed while writing it: dropped). A
+    damaged line before the last one is a UserError naming it."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    raw = [(i + 1, ln) for i, ln in enumerate(text.splitlines()) if ln.strip()]
+    lines, note = [], None
+    for k, (number, ln) in enumerate(raw):
+        try:
+            line = json.loads(ln)
+            if not isinstance(line, dict) or "step" not in line:
+                raise ValueError("not a step's line")
+            lines.append(line)
+        except ValueError as e:
+            if k == len(raw) - 1:
+                note = f"{path}: its last line ({number}) is torn (a run stopped while writing it): left out"
+            else:
+                raise UserError(f"{path}, line {number}: not a metrics line ({e}); the file was edited or damaged: "
+                                "restore it, or delete that line") from None  # fmt: skip
+    return lines, note
+
+
 def load_run(out: Path) -> Run:
     metrics_path = out / "metrics.jsonl"
     if not metrics_path.exists():
-        raise FileNotFoundError(f"{metrics_path} does not exist: is {out} a training run's output_dir?")
-    lines = [json.loads(ln) for ln in metrics_path.read_text().splitlines() if ln.strip()]
+        raise UserError(f"{metrics_path} does not exist: is {out} a training run's output_dir?")
+    if not (out / "recipe.yaml").exists():
+        raise UserError(f"{out} has no recipe.yaml (a run writes it at its start): is it a training run's output_dir?")
+    lines, note = read_metrics(metrics_path)
+    if note:
+        print(f"report: {note}")
     memory = json.loads((out / "memory.json").read_text()) if (out / "memory.json").exists() else None
     layout = json.loads((out / "layout.json").read_text()) if (out / "layout.json").exists() else {}
     return Run(out, lines, load_recipe(out / "recipe.yaml"), layout, memory)
@@ -270,9 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         charts = write_report(args.output_dir)
-    except FileNotFoundError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except UserError as err:
+        return report(err)
     print(f"wrote {args.output_dir / 'report.md'} and {len(charts)} charts in {args.output_dir / 'report'}")
     return 0
 

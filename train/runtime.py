@@ -4,10 +4,11 @@
   when the launcher dies, SIGKILL included (Linux `PR_SET_PDEATHSIG`; the watchdog thread polls the parent pid as
   the portable fallback).
 - `init_process_group(backend, timeout_s)`: the default group, with `process_group_timeout(timeout_s)`.
-- `lock_output_dir(out_dir)`: collective; rank 0 holds `out_dir/.lock` (JSON: host, pid, start) until the process
-  exits. A second run into the same output_dir fails with a UserError naming the holder; a stale lock (same host,
-  process gone or its pid reused, or the machine rebooted) is taken over with a one-line message. A lock from
-  another host cannot be checked: it is refused, naming the holder and the file to delete if that job is dead.
+- `lock_output_dir(out_dir, decide)`: collective; rank 0 holds `out_dir/.lock` (JSON: host, pid, start) until the
+  process exits, and decides under it what the run may do with the folder (train/rundir.py). A second run into the
+  same output_dir fails with a UserError naming the holder; a stale lock (same host, process gone or its pid reused,
+  or the machine rebooted) is taken over with a one-line message. A lock from another host cannot be checked: it is
+  refused, naming the holder and the file to delete if that job is dead.
 - `Watchdog.start(timeout_s)`: a daemon thread per rank. The training loop marks its phases (`watchdog.phase(
   "backward", step)`); when a rank stays in one phase longer than `timeout_s`, it reads every rank's heartbeat from
   the launcher's TCPStore and prints one line naming the phase, the collective the main thread waits in and the
@@ -75,14 +76,24 @@ def exit(code: int) -> None:  # noqa: A001 (mirrors sys.exit)
 # --- no orphans -------------------------------------------------------------------------------------------------------
 
 
+# Set by `python -m train.launch` to its own pid (the agent runs in it: it is its ranks' parent), so a rank can tell
+# that its launcher died before the rank could arm the death signal (during its ~10 s of imports).
+LAUNCHER_PID_ENV = "CTXTRAIN_LAUNCHER_PID"
+
+
 def launcher_pid() -> int | None:
-    """The pid of the launcher that started this rank (torchrun's agent, inside `accelerate launch`), else None."""
+    """The pid of the launcher that started this rank (torchrun's agent, inside `python -m train.launch` or
+    `accelerate launch`), else None. From train.launch's variable when set: `os.getppid()` is already another
+    process's once the launcher has died."""
+    if os.environ.get(LAUNCHER_PID_ENV, "").isdigit():
+        return int(os.environ[LAUNCHER_PID_ENV])
     return os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
 
 
 def die_with_launcher() -> None:
-    """Have the kernel SIGKILL this rank when its launcher dies (Linux). A process started by hand keeps living
-    when its shell goes (`nohup python train/finetune.py ...`): only launcher-started ranks are tied."""
+    """Have the kernel SIGKILL this rank when its launcher dies (Linux); exit at once when it died already. A process
+    started by hand keeps living when its shell goes (`nohup python train/finetune.py ...`): only launcher-started
+    ranks are tied."""
     parent = launcher_pid()
     if parent is None or not sys.platform.startswith("linux"):
         return  # elsewhere the watchdog thread polls the parent pid
@@ -242,10 +253,11 @@ class OutputLock:
             self.path.unlink(missing_ok=True)
 
 
-def lock_output_dir(out_dir: Path) -> OutputLock | None:
-    """Collective: rank 0 takes `out_dir/.lock` (released at exit) and every rank learns the outcome, so that a
-    refused run fails as one line on every rank instead of hanging the others. Returns the lock on rank 0."""
-    lock, outcome = None, None
+def lock_output_dir(out_dir: Path, decide: Callable[[], Any] = lambda: None) -> Any:
+    """Collective: rank 0 takes `out_dir/.lock` (released at exit) and runs `decide()` under it (train/rundir.py
+    `claim`: what this run may do with the folder's state); every rank gets decide()'s result, or the same one-line
+    error, so that a refused run fails as one line on every rank instead of hanging the others."""
+    box: list[Any] = [None]
     if dist.get_rank() == 0:
         lock = OutputLock(Path(out_dir) / LOCK_NAME)
         try:
@@ -253,14 +265,14 @@ def lock_output_dir(out_dir: Path) -> OutputLock | None:
             at_exit(lock.release)
             if note:
                 print(note, flush=True)
+            box = [{"ok": decide()}]
         except UserError as e:
-            outcome = str(e)
-    box = [outcome]
+            box = [{"error": str(e)}]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
-    if box[0] is not None:
-        raise UserError(box[0])  # the same message on every rank: printed once
-    return lock
+    if "error" in box[0]:
+        raise UserError(box[0]["error"])  # the same message on every rank: printed once
+    return box[0]["ok"]
 
 
 # --- every rank runs the same job ------------------------------------------------------------------------------------

@@ -360,7 +360,7 @@ class BucketBatchSampler:
         self._per_rank = total // dp_size if drop_last else -(-total // dp_size)
         if self._per_rank == 0:
             counts = {k: len(v) for k, v in sorted(self._groups.items())}
-            raise ValueError(
+            raise UserError(
                 f"{self.num_samples} samples (per bucket: {counts}) make {total} batches of {batch_size}, fewer than "
                 f"the {dp_size} data-parallel groups: lower train.batch_size, add samples, or use fewer DP ranks"
             )
