@@ -287,7 +287,7 @@ def resume(recipe: Recipe, run: dict, args: argparse.Namespace, app: AppState, s
     out_dir, t = Path(recipe.output_dir), recipe.train
     found = complete_checkpoints(out_dir) if run["resume"] else []
     if not found:
-        metrics.truncate_after(0)  # a fresh run in a used output_dir starts a fresh metrics.jsonl
+        metrics.truncate_after(0)  # a fresh run: claim() left no logged step here (an empty or torn file only)
         return 0, scheduler
     # The recipe check first, from the newest checkpoint's trainer.json (a run's checkpoints share its recipe), before
     # any weights are read; then the newest checkpoint that verifies (sizes, checksums), older ones as fallback.
