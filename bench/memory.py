@@ -113,8 +113,9 @@ class SavedBytes:
         self.keep.clear()
 
 
-def _rank_fn(rank: int, world: int, cases: tuple[tuple[str, str], ...] = CASES) -> dict:
-    """Saved bytes per (size, model) on this rank; world 1 is the serial run (no process group needed)."""
+def _rank_fn(rank: int, world: int, cases: tuple[tuple[str, str], ...] = CASES, backward: bool = True) -> dict:
+    """Saved bytes per (size, model) on this rank; world 1 is the serial run (no process group needed). The bytes
+    are counted in the forward; `backward` (for the step time the table reports) adds nothing to them."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from train.cp import enable_context_parallel
@@ -135,7 +136,8 @@ def _rank_fn(rank: int, world: int, cases: tuple[tuple[str, str], ...] = CASES) 
         t_fwd = time.perf_counter() - t0
         totals = counter.totals()
         counter.close()
-        loss.backward()
+        if backward:
+            loss.backward()
         results[(size, name)] = dict(totals, fwd_s=t_fwd, total_s=time.perf_counter() - t0)
         del model, out, loss
     return results

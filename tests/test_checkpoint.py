@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import rank_job, shared_tmpdir
-from train.checkpoint import load_rng, read_dcp_metadata, read_trainer_state
+from train.checkpoint import finite, load_rng, read_dcp_metadata, read_trainer_state
 from train.errors import UserError
 
 
@@ -53,6 +53,24 @@ def _torch_evil(marker: Path) -> bytes:
 
 
 # --- in-process: the plants are live, and each single-file reader refuses them ------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finite_is_isfinite_all(dtype: torch.dtype) -> None:
+    """`finite` (one min/max pass, what the startup, checkpoint and export checks use) against `isfinite().all()`:
+    a NaN, +inf or -inf anywhere, alone or together, in every position class, and the empty tensor."""
+    base = torch.linspace(-3e4, 3e4, 257, dtype=dtype)
+    cases = [base, torch.empty(0, dtype=dtype), base.view(1, 257)[:, ::2]]
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for i in (0, 128, 256):
+            t = base.clone()
+            t[i] = bad
+            cases.append(t)
+    both = base.clone()
+    both[3], both[9] = float("inf"), -float("inf")
+    cases.append(both)
+    for t in cases:
+        assert bool(finite(t)) == bool(torch.isfinite(t).all()), t
 
 
 def test_planted_pickles_run_code_when_unpickled_unsafely(tmp_path: Path) -> None:

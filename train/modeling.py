@@ -27,6 +27,7 @@ import diffusers
 import torch
 import torch.distributed as dist
 
+from .checkpoint import finite
 from .config import FinetuneConfig, ModelConfig, Recipe
 from .cp.enable import check_tokens
 from .errors import UserError
@@ -322,8 +323,7 @@ def build_model(
 def check_finite_start(model: torch.nn.Module, cfg: ModelConfig) -> None:
     """The weights the run starts from are finite (a collective; each rank checks its own shards). NaN/Inf in a
     pretrained checkpoint would make every step non-finite, and the bad-step guard would blame the samples."""
-    local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731 — a DTensor's shard
-    bad = [name for name, p in model.named_parameters() if not torch.isfinite(local(p)).all()]
+    bad = [name for name, p in model.named_parameters() if not finite(p)]
     flag = torch.tensor(len(bad), device=next(model.parameters()).device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
