@@ -63,6 +63,7 @@ class Case:
     env: dict[str, str] = field(default_factory=dict)
     launcher: tuple[str, ...] = ()  # extra `accelerate launch` options
     launch: bool = False  # the representative of its error source through the real entry point
+    absent: str | None = None  # a path that must not exist afterwards (what a crafted input would have made)
 
 
 def trainer(id, *sets, words, nproc=1, recipe=TINY, **kw) -> Case:
@@ -114,6 +115,35 @@ CASES = [
         "lora_target_typo",
         "finetune.lora_targets=[to_q,to_kk]",
         words=("'to_kk' (did you mean 'to_k'?)", "no module of WanTransformer3DModel", "to_out.0"),
+    ),
+    trainer(
+        "output_dir_dangling_link",
+        "output_dir={tmp}/dangling/run",
+        words=("dangling", "symbolic link", "does not exist"),
+    ),
+    trainer(
+        "cp_plan_other_class",  # it aborted in the first CP collective (SIGABRT)
+        "parallel.cp=2",
+        "model.cp_plan=cp_plans/flux.yaml",
+        words=("model.cp_plan", "plan for FluxTransformer2DModel", "WanTransformer3DModel"),
+        nproc=2,
+    ),
+    # --- the pretrained weights (checked in parse_args on every rank: before any process group) --------------------
+    *(
+        trainer(
+            f"pretrained_{kind}", f"model.pretrained_path={{tmp}}/pipe_{kind}", "model.init_config=null", words=words
+        )  # fmt: skip
+        for kind, words in (
+            ("no_weights", ("no weights (.safetensors or .bin)", "pipe_no_weights/transformer", "config.json")),
+            ("truncated", ("diffusion_pytorch_model.safetensors is truncated", "download or copy it again")),
+            ("other_shapes", ("with shape (32, 56)", "config.json builds has (64, 56)", "different models")),
+        )
+    ),
+    trainer(
+        "validation_frames_rounded",  # the pipeline rounded 8 to 9 frames with a logged warning
+        "model.pretrained_path={pipe}",
+        "validation={{prompts: [{{prompt: a}}], num_frames: 8}}",  # braces doubled: the args are format strings
+        words=("validation.num_frames 8", "4k+1", "use 5 or 9", "round it silently"),
     ),
     trainer(
         "two_problems_one_line",
@@ -263,6 +293,17 @@ CASES = [
         sets=(*SERIAL, "output_dir={ckpt_run}", "finetune.lora_rank=8"),
     ),
     Case(
+        "resume_damaged_metrics_line_rank_0",
+        "train",
+        ("--resume",),
+        ("metrics.jsonl, line 2: not a metrics line", "restore it, or delete that line"),
+        sets=(*SERIAL, "output_dir={damaged_metrics_run}", "parallel.cp=2"),
+        nproc=2,
+        # Raised on rank 0 alone (it owns metrics.jsonl) while rank 1 is in the next collective: rank 1 gets gloo's
+        # "connection closed" and exits quietly (train/errors.py `peer_reported`): one line, no traceback.
+        launch=True,
+    ),
+    Case(
         "resume_corrupt_only_checkpoint",
         "train",
         ("--resume",),
@@ -272,6 +313,13 @@ CASES = [
     # --- train.prepare --------------------------------------------------------------------------------------------
     preparer("prepare_unknown_key", "data.sourc=x", words=("data.sourc", "did you mean 'source'")),
     preparer("prepare_source_missing", "data.source={tmp}/no_media", words=("no_media",)),
+    preparer(
+        "prepare_pickled_text_encoder",  # torch.load(weights_only=True)'s UnpicklingError traceback
+        "model.pretrained_path={tmp}/pipe_pickled",
+        "data.cache_dir={tmp}/cache_pickled",  # its own: prepare records its settings there before loading
+        words=("pickled weights file", "refused (it names posix.system)", "text_encoder/pytorch_model.bin"),
+        absent="{tmp}/pickle_ran",
+    ),
     preparer(
         "prepare_malformed_metadata",
         "data.source={tmp}/badmeta",
@@ -289,11 +337,20 @@ CASES = [
         words=("predicted peak per rank", "parallel.memory_check: warn"),
     ),
 ]
-RESUME = {"{ckpt_run}", "{corrupt_run}"}  # cases that need the shared checkpointed run (a launch: slow tier)
+RESUME = {
+    "{ckpt_run}",
+    "{corrupt_run}",
+    "{damaged_metrics_run}",
+}  # cases that need the shared checkpointed run (a launch: slow tier)
 
 
 def _needs_run(case: Case) -> bool:
     return any(k in s for s in case.sets for k in RESUME)
+
+
+def _resumed(case: Case, where: dict[str, Path]) -> Path:
+    """The checkpointed run a resume case resumes (its output_dir)."""
+    return next(where[k.strip("{}")] for k in RESUME if any(k in s for s in case.sets))
 
 
 def _fill(text: str, where: dict[str, Path]) -> str:
@@ -310,10 +367,24 @@ def _argv(case: Case, where: dict[str, Path]) -> list[str]:
     return args
 
 
+class _Shell:
+    """Unpickles into a shell command (what a crafted weights file does)."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (self.command,)
+
+
 @pytest.fixture(scope="module")
 def where(tmp_path_factory, tiny_pipeline) -> dict[str, Path]:
     """The shared inputs, built once in this process: the session's tiny wan pipeline, two clips, their cache, broken
     copies."""
+    import torch
+
     from train import demo
     from train import prepare as prep
 
@@ -330,6 +401,19 @@ def where(tmp_path_factory, tiny_pipeline) -> dict[str, Path]:
     (tmp / "nofamily.yaml").write_text("model: {dtype: float32}\n")
     plan = (REPO / "cp_plans" / "wan.yaml").read_text()
     (tmp / "bad_plan.yaml").write_text(plan.replace("model_class:", "model_clas:"))
+    (tmp / "dangling").symlink_to(tmp / "unmounted_volume")  # an output_dir under a link to nothing
+    for kind in ("no_weights", "truncated", "other_shapes"):  # the pipeline's transformer, broken three ways
+        shutil.copytree(pipe / "transformer", tmp / f"pipe_{kind}" / "transformer")
+    (weights,) = (tmp / "pipe_no_weights" / "transformer").glob("*.safetensors")
+    weights.unlink()
+    (weights,) = (tmp / "pipe_truncated" / "transformer").glob("*.safetensors")
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    shutil.copytree(pipe, tmp / "pipe_pickled")  # its text encoder as a pickle naming os.system (never run)
+    encoder = tmp / "pipe_pickled" / "text_encoder"
+    (encoder / "model.safetensors").unlink()
+    torch.save({"weight": _Shell(f"touch {tmp}/pickle_ran")}, encoder / "pytorch_model.bin")
+    config = tmp / "pipe_other_shapes" / "transformer" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "ffn_dim": 64}))  # the weights' is 32
     (tmp / "unfinished" / "samples").mkdir(parents=True)
     shutil.copytree(cache, tmp / "badjson")
     (tmp / "badjson" / "manifest.json").write_text('{"format": ')
@@ -355,16 +439,19 @@ def _with_checkpoints(case: Case, where: dict[str, Path], request: pytest.Fixtur
     root = where["tmp"] / key.replace(":", "_")
     if not root.exists():
         run = request.getfixturevalue("runs")(TINY, *SERIAL)
-        ckpt_run, corrupt_run = root / "ckpt_run", root / "corrupt_run"
+        ckpt_run, corrupt_run, damaged = root / "ckpt_run", root / "corrupt_run", root / "damaged_metrics_run"
         shutil.copytree(run.out, ckpt_run)
         shutil.copytree(run.out, corrupt_run)
+        shutil.copytree(run.out, damaged)
+        lines = (damaged / "metrics.jsonl").read_text().splitlines(keepends=True)
+        (damaged / "metrics.jsonl").write_text("".join([lines[0], '{"step": 2, "lo\n', *lines[2:]]))
         *older, newest = sorted((corrupt_run / "checkpoints").glob("step_*"))
         for path in older:
             shutil.rmtree(path)
         shards = sorted(newest.rglob("*.distcp"))
         assert shards, sorted(newest.rglob("*"))
         shards[0].write_bytes(shards[0].read_bytes()[: shards[0].stat().st_size // 2])
-    return {**where, "ckpt_run": root / "ckpt_run", "corrupt_run": root / "corrupt_run"}
+    return {**where, **{name: root / name for name in ("ckpt_run", "corrupt_run", "damaged_metrics_run")}}
 
 
 # ------------------------------------------------------------------------------------------------------ in-process
@@ -391,24 +478,27 @@ def _trainer_error(argv: list[str], world: int, tmp: Path) -> BaseException:
     entry point's `preflight` checks, and the model's config and tokens), then main()'s data (`build_dataset`,
     `check_text_lengths`) and memory check (`startup_check`), the CP plan file (`load_plan_file`, as CP is enabled),
     the pretrained weights' folder (`pretrained_folder`) and the LoRA targets (`check_lora_targets`) as build_model
-    reads them, and resume's recipe check (`plan_resume` against the newest checkpoint's `read_trainer_state`) and
-    checkpoint verification (`restore`)."""
+    reads them, and resume's recipe check (`plan_resume` against the newest checkpoint's `read_trainer_state`), data
+    check (`resume_notes`), checkpoint verification (`restore`) and its metrics file (`truncate_after`'s
+    `read_metrics`, rank 0's)."""
     import torch
 
-    from train.checkpoint import complete_checkpoints, read_trainer_state, restore
+    from train.checkpoint import complete_checkpoints, read_trainer_state, restore, verify_checkpoint
     from train.config import recipe_to_dict
     from train.cp.plans import load_plan_file
-    from train.data.batches import build_dataset, check_text_lengths
+    from train.data.batches import build_dataset, check_text_lengths, make_batches
     from train.estimate import startup_check
     from train.finetune import parse_args
     from train.modeling import check_lora_targets, family_spec, meta_transformer, pretrained_folder
     from train.models import cache_reads
+    from train.report import read_metrics
     from train.resume import plan_resume
 
     try:
         recipe, args = parse_args(argv)
         spec, m = family_spec(recipe.model), recipe.model
-        check_text_lengths(build_dataset(recipe, spec, cache_reads(spec.name)), spec, recipe)
+        dataset = build_dataset(recipe, spec, cache_reads(spec.name))
+        check_text_lengths(dataset, spec, recipe)
         with _one_rank_group(tmp):
             startup_check(recipe, world, torch.device("cpu"))
             if recipe.parallel.cp > 1 and m.cp_plan is not None:
@@ -424,7 +514,11 @@ def _trainer_error(argv: list[str], world: int, tmp: Path) -> BaseException:
                 plan_resume(saved["recipe"], recipe_to_dict(recipe), reset_lr_schedule=args.reset_lr_schedule,
                             saved_layout=saved["layout"], layout={"dp_replicate": dp_replicate, "dp_shard": dp_shard,
                             "cp": cp}, checkpoint=str(found[-1]))  # fmt: skip
-                restore(recipe.output_dir, None)  # verifies before it loads: a damaged one raises first
+                make_batches(dataset, recipe, 0, 1, torch.device("cpu")).resume_notes(saved["data"], saved["step"])
+                if all(verify_checkpoint(path) for path in found):  # none verifies: restore's UserError (no load)
+                    restore(recipe.output_dir, None)
+                if (Path(recipe.output_dir) / "metrics.jsonl").exists():  # MetricsLogger.truncate_after (rank 0)
+                    read_metrics(Path(recipe.output_dir) / "metrics.jsonl")
     except (ValueError, SystemExit) as e:  # UserError is a ValueError; argparse's usage error exits
         return e
     raise AssertionError(f"no error from {argv}")
@@ -481,6 +575,7 @@ def test_message_in_process(
     message = re.search(re.escape(lines[0]) + r"(?:\n  .*)*", err).group(0)
     missing = [w for w in case.words if w.lower() not in message.lower()]
     assert not missing, f"error message lacks {missing}: {message}"
+    assert case.absent is None or not Path(_fill(case.absent, paths)).exists(), f"{case.absent} exists"
 
 
 # --------------------------------------------------------------------------------------------- through the entry point
@@ -509,7 +604,8 @@ def entry_runs(where: dict[str, Path], request: pytest.FixtureRequest) -> dict[s
            if item.module is request.module and item.originalname == "test_entry_point"}  # fmt: skip
     cases = sorted((c for c in LAUNCHED if c.id in ids), key=lambda c: -c.nproc)
     paths = {c.id: {**_with_checkpoints(c, where, request), "out": where["tmp"] / "out" / c.id} for c in cases}
-    before = {c.id: (paths[c.id]["ckpt_run"] / "metrics.jsonl").read_text() if _needs_run(c) else None for c in cases}
+    before = {c.id: (_resumed(c, paths[c.id]) / "metrics.jsonl").read_text() if _needs_run(c) else None
+              for c in cases}  # fmt: skip
 
     def launch(case: Case) -> tuple[subprocess.CompletedProcess, float]:
         t0 = time.perf_counter()
@@ -540,7 +636,7 @@ def test_entry_point(case: Case, entry_runs: dict[str, tuple], launcher) -> None
     assert "Traceback" not in out, out[-4000:]  # nor the launcher's
     assert seconds < TIME_LIMIT_S, f"{seconds:.1f} s to fail"
     if before is not None:  # a refused resume leaves the run as it was
-        assert (paths["ckpt_run"] / "metrics.jsonl").read_text() == before
+        assert (_resumed(case, paths) / "metrics.jsonl").read_text() == before
 
 
 def teardown_module() -> None:

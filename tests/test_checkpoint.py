@@ -310,6 +310,27 @@ def _worker(rank: int, world: int, out: str) -> dict:
         res[f"crafted_{case}"] = _user_error(load_checkpoint, out / case / "checkpoints" / "step_000002", app)
     dist.barrier()
     res["markers"] = sorted(p.name for p in markers.iterdir())
+
+    # f: the disk fills up while rank 1 writes its shard of step 4 (b holds the good step 2).
+    import errno
+
+    from train import checkpoint as ckpt_module
+
+    real_write = ckpt_module._RecordingWriter.write_data
+
+    def full_disk(self, plan, planner):
+        if rank == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path / "__1_0.distcp"))
+        return real_write(self, plan, planner)
+
+    ckpt_module._RecordingWriter.write_data = full_disk
+    try:
+        res["disk_full"] = {"error": _user_error(save_checkpoint, b, 4, app, _trainer_state(4), 1)}
+    finally:
+        ckpt_module._RecordingWriter.write_data = real_write
+    res["disk_full"]["dirs"] = sorted(p.name for p in (b / "checkpoints").iterdir())
+    name, err, _, state = _restore(b, app)
+    res["disk_full"] |= {"restored": name, "state_equal": state == _trainer_state(2)}
     return res
 
 
@@ -374,6 +395,22 @@ def test_nonfinite_weights_write_nothing_and_keep_last_good(ranks: list[dict]) -
     assert "step 3: model parameters are not finite" in line and line.endswith("step_000002")
     assert ranks[1]["nonfinite"]["err"] == ""
     assert "step_000009 is damaged (no manifest.json" in ranks[0]["nonfinite"]["restore_err"]
+
+
+def test_disk_full_at_a_checkpoint_is_one_line_on_every_rank_and_keeps_the_last_good(ranks: list[dict]) -> None:
+    """ENOSPC in one rank's shard write (DCP gathers it into a CheckpointException on every rank): the same UserError
+    on both ranks naming the cause and the latest complete checkpoint, the partial step removed, the last good one
+    restorable."""
+    lines = [r["disk_full"]["error"] for r in ranks]
+    assert lines[0] == lines[1] and "\n" not in lines[0], lines
+    assert (
+        lines[0].startswith("checkpoint step 4: writing ")
+        and "step_000004 failed (rank 1: No space left on " in lines[0]
+    )
+    assert lines[0].endswith("step_000002: free space (or fix the folder), then rerun with --resume"), lines[0]
+    for r in ranks:
+        assert r["disk_full"]["dirs"] == ["step_000002", "step_000009"]  # step 4's partial folder is gone
+        assert r["disk_full"]["restored"] == "step_000002" and r["disk_full"]["state_equal"]
 
 
 def test_crafted_checkpoints_run_no_code(ranks: list[dict]) -> None:

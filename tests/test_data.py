@@ -319,6 +319,37 @@ def test_cached_dataset_items_collate_and_empty_prompt(wan_cache):
     )
 
 
+def test_resume_on_a_changed_cache_is_refused_by_size_and_noted_by_content(wan_cache, tmp_path):
+    """A checkpoint records the cache's fingerprint (`Batches.state_dict`); resuming on a cache of another size is
+    one line (the epoch's order cannot continue), on a re-captioned or re-encoded one of the same size a note, on a
+    copy of the same cache elsewhere nothing."""
+    import shutil
+
+    from train.data.batches import Batches
+
+    def batches(cache: Path) -> Batches:
+        ds = CachedLatentDataset(cache)
+        return Batches(ds, BucketBatchSampler(ds.buckets, 1, dp_rank=0, dp_size=1, seed=0), torch.device("cpu"))
+
+    def variant(name: str, edit) -> Path:
+        copy = tmp_path / name
+        shutil.copytree(wan_cache, copy)
+        manifest = json.loads((copy / "manifest.json").read_text())
+        edit(manifest)
+        (copy / "manifest.json").write_text(json.dumps(manifest))
+        return copy
+
+    saved = batches(wan_cache).state_dict()
+    assert saved["cache"]["samples"] == 5
+    assert batches(variant("moved", lambda m: None)).resume_notes(saved, 7) == []
+    recaptioned = variant("recaptioned", lambda m: m["samples"][2].update(caption="a new caption"))
+    (note,) = batches(recaptioned).resume_notes(saved, 7)
+    assert note.startswith("data: the cache changed since step 7 (its captions, same sample count 5)"), note
+    fewer = variant("fewer", lambda m: m.update(samples=m["samples"][:4]))
+    with pytest.raises(UserError, match=r"step 7 trained on a cache of 5 samples .* now holds 4: its epoch order"):
+        batches(fewer).resume_notes(saved, 7)
+
+
 def test_collate_pads_text_of_unequal_length():
     a = {
         "latents": torch.zeros(2, 3),
@@ -572,7 +603,9 @@ def test_prepare_minimax_h3_video_audio_and_text(tmp_path_factory):
     # data.max_text_tokens keeps the first rows of the same encoding (the Qwen3-VL stack is causal)
     cut = tmp_path_factory.mktemp("cache") / "minimax_h3_16"
     short = prepare(_settings("minimax_h3", path, root, cut, {**data, "max_text_tokens": 16}), log=_quiet)
-    assert short["text"] == {"max_tokens": 16, "longest": 16}
+    reach = [s["source"] for s in m["samples"] if len(s["caption"].encode()) >= 16]  # byte tokens: cut at 16
+    assert reach and short["text"] == {"max_tokens": 16, "longest": 16, "at_limit": reach}, (short["text"], reach)
+    assert m["text"]["at_limit"] == []  # no limit (max_text_tokens null): nothing cut
     first = load_file(cut / short["samples"][0]["file"])
     torch.testing.assert_close(first["prompt_embeds"], ds[0]["prompt_embeds"][:16], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(first["audio_latents"], ds[0]["audio_latents"])

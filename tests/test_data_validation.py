@@ -272,3 +272,30 @@ def test_metadata_with_a_bom_reads_and_other_encodings_are_named(tmp_path, capsy
     jsonl.write_bytes('{"file_name": "a.mp4", "text": "café"}\n'.encode("latin-1"))
     assert str(_error(list_source, str(jsonl))) == (f"{jsonl}: not UTF-8 (byte 0xe9 at offset 35): save it as UTF-8 "
                                                     "(e.g. `iconv -f latin1 -t utf-8`)")  # fmt: skip
+
+
+def test_captions_that_reach_the_text_limit_are_said(prepared, wan, media, tmp_path) -> None:
+    """The manifest lists the captions whose tokens fill data.max_text_tokens (the tokenizer cut any longer ones
+    there, silently) and the summary says so: none in the module's cache (limit 16), one in a copy of its media whose
+    second caption is long. Counted independently with the pipeline's own tokenizer on the pipeline's cleaned prompt
+    (UMT5 adds one end token)."""
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+    from transformers import AutoTokenizer
+
+    from train.prepare import summary
+
+    tokenizer = AutoTokenizer.from_pretrained(wan / "tokenizer")
+
+    def reach(m: dict) -> list[str]:
+        return [s["source"] for s in m["samples"] if len(tokenizer(prompt_clean(s["caption"]))["input_ids"]) >= 16]
+
+    m = read_manifest(prepared)
+    assert m["text"]["at_limit"] == reach(m) == [] and "token limit" not in summary(m, prepared)
+    source = Path(shutil.copytree(media, tmp_path / "media"))
+    rows = [json.loads(line) for line in (source / "metadata.jsonl").read_text().splitlines()]
+    rows[1]["text"] = " ".join([rows[1]["text"]] * 4)  # ~40 tokens
+    (source / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    m = prepare(_recipe(wan, source, tmp_path / "cache", max_text_tokens=16), log=_quiet)
+    assert m["text"]["at_limit"] == reach(m) == [rows[1]["file_name"]], m["text"]
+    said = summary(m, tmp_path / "cache")
+    assert f"1 caption(s) reach the 16-token limit, so longer ones were cut there (e.g. {rows[1]['file_name']})" in said

@@ -51,6 +51,13 @@ QUOTED = [
     ("train/finetune.py", "the trained state is in checkpoint "),
     ("train/finetune.py", "arrived after the last step: the export finished first; the run is complete"),
     ("train/modeling.py", "the starting weights hold NaN/Inf in "),
+    ("train/modeling.py", "the weights are of different models"),
+    ("train/checkpoint.py", "free space (or fix the folder), then rerun with --resume"),
+    ("train/data/batches.py", "epoch order cannot continue"),
+    ("train/validation.py", "the pipeline would round it silently"),
+    ("train/models/encoder.py", "weights_only=True loads tensors only, and nothing in it ran"),
+    ("train/launch.py", "before the trainer could checkpoint"),
+    ("train/prepare.py", "longer ones were cut there"),
 ]
 
 

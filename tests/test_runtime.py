@@ -204,6 +204,37 @@ def launcher_killed_early(root: Path, started: list) -> dict:
     return {"importing": importing, "gone_s": wait_gone([r.pid for r in ranks], 90), "log": log.read_text()}
 
 
+@early
+def interrupted_early(root: Path, started: list) -> dict:
+    """Ctrl-C while a 2-rank launch's ranks import torch (past the interpreter's own start, ~0.2 s, where no handler
+    of ours can run yet: resident memory over 150 MB): SIGINT to the launch's whole process group (what a terminal
+    sends), then the launch awaited (~10 s)."""
+    out, log = root / "interrupted", root / "interrupted.log"
+    job = start(out, log)
+    started.append(job)
+    launcher = psutil.Process(job.pid)
+    wait_until(lambda: len(launcher.children(recursive=True)) >= 2, "the launcher's 2 ranks", 120)
+    ranks = launcher.children(recursive=True)
+    started += ranks
+    wait_until(lambda: all(r.memory_info().rss > 150 * 2**20 for r in ranks), "the ranks importing torch", 120)
+    importing = "recipe:" not in log.read_text()
+    os.killpg(job.pid, signal.SIGINT)
+    rc = job.wait(timeout=90)
+    return {"rc": rc, "importing": importing, "gone_s": wait_gone([r.pid for r in ranks], 60), "log": log.read_text()}
+
+
+def test_ctrl_c_during_startup_is_one_line_and_exit_130(launcher) -> None:
+    """Ctrl-C before the loop has nothing to checkpoint: each rank exits 130 without a traceback
+    (train/errors.py `quiet_interrupt`), and the launcher says so in one line (it printed three tracebacks)."""
+    r = interrupted_early.result()
+    print(f"Ctrl-C during the ranks' imports: exit {r['rc']}, ranks gone in {r['gone_s']:.1f} s")
+    assert r["importing"], r["log"][-3000:]
+    assert r["rc"] == 130, r["log"][-3000:]
+    assert "Traceback" not in r["log"], r["log"][-3000:]
+    said = [line for line in r["log"].splitlines() if line.startswith(("launch:", "error:"))]
+    assert len(said) == 1 and "SIGINT" in said[0], said
+
+
 def test_launcher_killed_while_its_ranks_import_leaves_no_rank(launcher) -> None:
     """The launcher (`python -m train.launch`) dies before its ranks could tie themselves to it: each rank sees
     that its parent is no longer the launcher named in its environment (`CTXTRAIN_LAUNCHER_PID`) and exits once its

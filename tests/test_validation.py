@@ -275,3 +275,15 @@ def test_recipe_mistakes_are_one_line_errors(tmp_path: Path) -> None:
     i2v = load_recipe(REPO / "recipes/tiny/wan_i2v.yaml", [f"model.pretrained_path={tmp_path}", with_image])
     with pytest.raises(UserError, match="no file"):
         check_validation(i2v, get_family("wan_i2v"))
+    (tmp_path / "missing.png").write_text("not a png\n")  # a text file named .png: refused before any sample
+    with pytest.raises(UserError, match=r"prompts\[0\].image: .*missing.png is not an image PIL can read"):
+        check_validation(i2v, get_family("wan_i2v"))
+    from PIL import Image
+
+    png = tmp_path / "cut.png"  # a real PNG cut in half: its header reads, its data does not
+    Image.new("RGB", (64, 64), (200, 10, 10)).save(png)
+    png.write_bytes(png.read_bytes()[: png.stat().st_size // 2])
+    image = "validation={prompts: [{prompt: a, image: " + str(png) + "}]}"
+    cut = load_recipe(REPO / "recipes/tiny/wan_i2v.yaml", [f"model.pretrained_path={tmp_path}", image])
+    with pytest.raises(UserError, match="cut.png is not an image PIL can read"):
+        check_validation(cut, get_family("wan_i2v"))

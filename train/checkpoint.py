@@ -138,32 +138,67 @@ def save_checkpoint(
     if rank == 0 and path.exists():  # a leftover (an earlier run, a killed save): no stale COMPLETE or shard survives
         shutil.rmtree(path)
     dist.barrier()
-    writer = _RecordingWriter(path)
-    dcp.save({"app": app}, storage_writer=writer)  # synchronous; rank 0 writes .metadata once all shards are done
-    rng = f"rng_rank{rank}.safetensors"
-    save_file({"torch": torch.get_rng_state()}, path / rng)
-    mine = [*writer.written, rng]
-    if rank == 0:
-        (path / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
-        mine += [".metadata", TRAINER_STATE]
-    # Each rank hashes the files it wrote itself: the hashing runs in parallel (total size / world per rank) and
-    # reads data this host just wrote (page cache), where rank 0 alone would re-read every rank's shards serially.
-    entries = {name: _describe(path / name) for name in mine}
-    gathered = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(entries, gathered, dst=0)
-    if rank == 0:
-        files = {name: e for part in gathered for name, e in part.items()}
-        manifest = {"step": step, "files": dict(sorted(files.items()))}
-        (path / f"{MANIFEST}.tmp").write_text(json.dumps(manifest, indent=1))
-        (path / f"{MANIFEST}.tmp").rename(path / MANIFEST)
-        (path / COMPLETE).touch()
-        # Rotation counts only checkpoints with a manifest and COMPLETE (this one is the newest of them and was
-        # just hashed from disk): a damaged or foreign directory never makes it delete the last good checkpoint.
-        saved = [p for p in _saved_checkpoints(output_dir) if p <= path]
-        for old in saved[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    failure = None
+    try:
+        writer = _RecordingWriter(path)
+        dcp.save({"app": app}, storage_writer=writer)  # synchronous; rank 0 writes .metadata once all shards are done
+        rng = f"rng_rank{rank}.safetensors"
+        save_file({"torch": torch.get_rng_state()}, path / rng)
+        mine = [*writer.written, rng]
+        if rank == 0:
+            (path / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
+            mine += [".metadata", TRAINER_STATE]
+    except (OSError, CheckpointException) as e:
+        failure = _write_failure(e)
+    failure = _agreed(failure)  # every rank takes the same branch: no rank waits in a collective the others left
+    if failure is None:
+        # Each rank hashes the files it wrote itself: the hashing runs in parallel (total size / world per rank) and
+        # reads data this host just wrote (page cache), where rank 0 alone would re-read every rank's shards serially.
+        entries = {name: _describe(path / name) for name in mine}
+        gathered = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(entries, gathered, dst=0)
+        if rank == 0:
+            try:
+                files = {name: e for part in gathered for name, e in part.items()}
+                manifest = {"step": step, "files": dict(sorted(files.items()))}
+                (path / f"{MANIFEST}.tmp").write_text(json.dumps(manifest, indent=1))
+                (path / f"{MANIFEST}.tmp").rename(path / MANIFEST)
+                (path / COMPLETE).touch()
+            except OSError as e:
+                failure = _write_failure(e)
+            else:
+                # Rotation counts only checkpoints with a manifest and COMPLETE (this one is the newest of them and
+                # was just hashed from disk): a damaged or foreign directory never deletes the last good checkpoint.
+                saved = [p for p in _saved_checkpoints(output_dir) if p <= path]
+                for old in saved[:-keep_last]:
+                    shutil.rmtree(old, ignore_errors=True)
+        failure = _agreed(failure)  # also the barrier that ends the save
+    if failure is not None:
+        if rank == 0:  # nothing half-written stays: the previous checkpoints are untouched
+            shutil.rmtree(path, ignore_errors=True)
+        latest = (_saved_checkpoints(output_dir) or [None])[-1]
+        dist.barrier()
+        raise UserError(f"checkpoint step {step}: writing {path} failed ({failure}); the latest complete checkpoint "
+                        f"is {latest or 'none'}: free space (or fix the folder), then rerun with --resume")  # fmt: skip
     return path
+
+
+def _write_failure(e: BaseException) -> str:
+    """One line for a failed checkpoint write, naming the rank that failed: the OSError (disk full, quota,
+    permissions), or the first of those DCP's exception gathered from every rank; any other failure (a bug, not the
+    disk) is raised as it is."""
+    failures = {r: f[0] for r, f in e.failures.items()} if isinstance(e, CheckpointException) else {dist.get_rank(): e}
+    if not failures or not all(isinstance(c, OSError) for c in failures.values()):
+        raise e
+    rank, first = min(failures.items())
+    return f"rank {rank}: {first.strerror or first}" + (f": {first.filename}" if first.filename else "")
+
+
+def _agreed(failure: str | None) -> str | None:
+    """The first failing rank's line, on every rank (one small collective)."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, failure)
+    return next((f for f in every if f is not None), None)
 
 
 # --- safe reading ---------------------------------------------------------------------------------------------------

@@ -657,7 +657,12 @@ def check_inputs(recipe: Recipe, world_size: int) -> None:
         raise UserError(f"accelerate launch --mixed_precision {launched} (or that key of its config file) would be "
                         "silently ignored: the recipe sets the precision; launch with mixed_precision 'no' (as "
                         "configs/accelerate/ do) and set train.mixed_precision (auto, no, bf16)")  # fmt: skip
-    out = Path(recipe.output_dir).expanduser().resolve()
+    given = Path(recipe.output_dir).expanduser().absolute()
+    for link in (given, *given.parents):  # a dangling link: the folder cannot be made (mkdir: "File exists")
+        if link.is_symlink() and not link.exists():
+            raise UserError(f"output_dir: {link} is a symbolic link to {os.readlink(link)}, which does not exist; "
+                            "create its target (a mounted volume?) or choose another output_dir")  # fmt: skip
+    out = given.resolve()
     parent = next(p for p in (out, *out.parents) if p.exists())
     if not parent.is_dir():
         raise UserError(f"output_dir: {parent} is a file, not a folder; choose another output_dir")

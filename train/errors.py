@@ -13,8 +13,10 @@ lines, under "Root Cause", read `traceback : error: <cause and fix>` instead of 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -39,11 +41,15 @@ def report(error: UserError, rank: int | None = None) -> int:
     """
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    marker = _reported_marker()
     if not error.same_on_every_rank:
         first = True
-    elif error_file:
+        if marker:  # the peers it leaves inside a collective then exit quietly (peer_reported)
+            with contextlib.suppress(OSError):
+                marker.touch()
+    elif marker:
         try:
-            os.close(os.open(Path(error_file).parents[1] / "user_error_reported", os.O_CREAT | os.O_EXCL))
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
             first = True
         except FileExistsError:
             first = False
@@ -60,3 +66,40 @@ def report(error: UserError, rank: int | None = None) -> int:
         with open(error_file, "w") as f:
             json.dump({"message": f"error: {error}", "timestamp": int(time.time()) - 1}, f)
     return EXIT_CODE
+
+
+def _reported_marker() -> Path | None:
+    """The file whose existence says a rank of this launch has reported a user error (in the launcher's run folder,
+    which holds each local rank's error file); None without a launcher."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    return Path(error_file).parents[1] / "user_error_reported" if error_file else None
+
+
+def peer_reported() -> bool:
+    """Whether a rank of this launch has reported a user error: then this rank's own failure (gloo's "connection
+    closed by peer" inside the collective that rank left) is its consequence, not a second error to print."""
+    marker = _reported_marker()
+    return marker is not None and marker.exists()
+
+
+def quiet_interrupt() -> None:
+    """Ctrl-C before the training loop (imports, loading, compiling: nothing to checkpoint yet) ends this rank at once
+    with exit code 130 and no traceback: the terminal sends SIGINT to the launcher and every rank at once, and the
+    launcher says it in one line (train/launch.py). The loop's own handler (finetune.py `StopRequest`) replaces
+    this one: from then on a signal finishes the step and checkpoints."""
+
+    def stop(signum: int, frame) -> None:
+        # Leave at once, unwinding nothing: an exception raised here lands inside whatever import or load is running
+        # (numpy's lazy attributes turned one into a RecursionError traceback). The exit hooks (the output_dir lock)
+        # run when train.runtime is loaded; a lock left by an earlier exit names a dead pid and is taken over.
+        if "LOCAL_RANK" not in os.environ:  # no launcher to say it
+            print(f"stopped by {signal.Signals(signum).name} before the first step: nothing to checkpoint",
+                  file=sys.stderr)  # fmt: skip
+        runtime = sys.modules.get("train.runtime")
+        if runtime is not None:
+            runtime.exit(128 + signum)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGINT, stop)

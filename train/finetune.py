@@ -30,7 +30,9 @@ if __package__ in (None, ""):  # `accelerate launch train/finetune.py` runs this
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 if __name__ == "__main__":  # recipe, degree and path errors within a second, before the seconds of imports below
     from train.config import preflight
+    from train.errors import quiet_interrupt
 
+    quiet_interrupt()  # Ctrl-C during the imports and startup: exit 130, no traceback
     preflight(sys.argv[1:])
 
 import torch
@@ -56,7 +58,7 @@ from train.config import (
     save_recipe,
 )
 from train.data.batches import Batches, build_dataset, check_text_lengths, make_batches
-from train.errors import UserError, report
+from train.errors import EXIT_CODE, UserError, peer_reported, quiet_interrupt, report
 from train.estimate import startup_check
 from train.export import ExportFailed, export_full, export_lora
 from train.metrics import MetricsLogger, peak_memory_bytes
@@ -304,6 +306,7 @@ def resume(recipe: Recipe, run: dict, args: argparse.Namespace, app: AppState, s
         read_trainer_state(found[-1])  # none readable: its one-line error
     plan = plan_resume(saved["recipe"], recipe_to_dict(recipe), reset_lr_schedule=args.reset_lr_schedule,
                        saved_layout=saved["layout"], layout=layout, checkpoint=str(path))  # fmt: skip
+    data_notes = batches.resume_notes(saved["data"], saved["step"])  # a cache of another size: refused here
     ckpt, state = restore(out_dir, app)
     start = state["step"]
     for group in app.optimizer.param_groups:  # DCP restored the old hyper-parameters: the recipe's apply from here
@@ -318,7 +321,7 @@ def resume(recipe: Recipe, run: dict, args: argparse.Namespace, app: AppState, s
     metrics.truncate_after(start)
     if dist.get_rank() == 0:
         print(f"resumed from {ckpt} at step {start}")
-        for line in plan.applied + plan.notes:
+        for line in plan.applied + plan.notes + data_notes:
             print(f"resume: {line}")
         if start >= t.max_steps:
             print(f"resume: step {start} is already train.max_steps ({t.max_steps}): nothing to train; the export "
@@ -549,6 +552,10 @@ def run_cli() -> int:
         if "--debug" in sys.argv:
             raise
         return report(e)
+    except Exception:
+        if peer_reported() and "--debug" not in sys.argv:  # another rank's user error left this one in a collective
+            return EXIT_CODE  # its one line is the job's; the launcher names the rank
+        raise
     return 0
 
 
@@ -560,6 +567,7 @@ def run_rank() -> None:
     # diffusers transformers return reshaped views; FSDP2 warns on every forward. The trainer never modifies the
     # output in place (family specs map it out of place), which is the case that warning is about.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    quiet_interrupt()  # (again: the harness's warm ranks start here)
     code = run_cli()
     # Everything is written and the process group is destroyed. Skip the interpreter's teardown: gloo's background
     # threads were seen to abort a finished process there ("terminate called without an active exception").

@@ -11,7 +11,8 @@ preemption) stops a job that checkpointed cleanly. Here:
 - a rank failed: exit with the first failed rank's exit code (2 for a user error, whose one line the rank printed)
   and one closing line naming the rank, instead of the traceback;
 - SIGINT/SIGTERM: exit 0 when the trainer stopped cleanly (it wrote `<output_dir>/stopped.json` at the step it
-  checkpointed, or at the end of a run it completed, after this launch began), else 128 + the signal number;
+  checkpointed, or at the end of a run it completed, after this launch began), else 128 + the signal number and one
+  line (Ctrl-C before the first step: the ranks exit 130 without a traceback, train/errors.py `quiet_interrupt`);
 - its pid in the ranks' environment (`CTXTRAIN_LAUNCHER_PID`): a rank whose launcher was killed while the rank was
   still importing exits as soon as it can tell (train/runtime.py `die_with_launcher`), never left running.
 """
@@ -42,6 +43,14 @@ def _output_dir(argv: list[str]) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _launch(argv)
+    except KeyboardInterrupt:  # Ctrl-C before torchrun's agent handles signals (its imports, the ranks' start)
+        print("launch: interrupted (SIGINT) before the ranks started training; nothing to checkpoint", file=sys.stderr)
+        return 128 + 2
+
+
+def _launch(argv: list[str] | None) -> int:
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -55,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         launch_command(launch_command_parser().parse_args(argv))
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        print(f"launch: rank {rank} exited with code {failure.exitcode} (its error is above)", file=sys.stderr)
+        if failure.exitcode == 128 + 2:  # the rank's Ctrl-C exit (train/errors.py quiet_interrupt) came first
+            print(f"launch: stopped by SIGINT (rank {rank} first) before the trainer could checkpoint", file=sys.stderr)
+        else:
+            print(f"launch: rank {rank} exited with code {failure.exitcode} (its error is above)", file=sys.stderr)
         return failure.exitcode if failure.exitcode > 0 else 1
     except SignalException as e:
         out = _output_dir(argv)

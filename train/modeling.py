@@ -49,8 +49,8 @@ def family_spec(cfg: ModelConfig) -> FamilySpec:
 def check_model(recipe: Recipe, spec: FamilySpec) -> None:
     """The model's user errors, one line each, before any process group exists (every rank finds the same):
     `init_config` keys the transformer class does not take (diffusers only warns, then builds another model), a
-    pretrained folder without the transformer's config, a CP degree above a sample's token count, and bf16 on a GPU
-    without it."""
+    pretrained folder without the transformer's config or without whole weights of that config's shapes, a CP
+    plan file for another class, a CP degree above a sample's token count, and bf16 on a GPU without it."""
     cfg = recipe.model
     if recipe.train.mixed_precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         raise UserError(f"train.mixed_precision: bf16, but {torch.cuda.get_device_name()} has no bf16 support; set "
@@ -64,6 +64,13 @@ def check_model(recipe: Recipe, spec: FamilySpec) -> None:
             keys = ", ".join(f"{k!r}{suggest(k, takes)}" for k in unknown)
             raise UserError(f"model.init_config: {cls.__name__} takes no {keys}: diffusers would ignore it and build "
                             f"another model; valid keys: {', '.join(takes)}")  # fmt: skip
+    if recipe.parallel.cp > 1 and cfg.cp_plan is not None:  # another class's plan: refused here, on every rank alike
+        from .cp.plans import load_plan_file
+
+        plan = load_plan_file(cfg.cp_plan)
+        if plan.model_class not in [c.__name__ for c in cls.__mro__]:
+            raise UserError(f"model.cp_plan: {cfg.cp_plan} is the plan for {plan.model_class}; {cfg.family} trains a "
+                            f"{cls.__name__}: point it at that class's plan, or null for the shipped one")  # fmt: skip
     local = cfg.pretrained_path is not None and Path(cfg.pretrained_path).expanduser().is_dir()
     if cfg.init_config is None and not local and not cfg.sharded_load:
         return  # a hub id that from_pretrained fetches: its config is known only once downloaded
@@ -72,6 +79,13 @@ def check_model(recipe: Recipe, spec: FamilySpec) -> None:
                                     subfolder=cfg.subfolder)  # fmt: skip
     except ValueError as e:
         raise UserError(str(e)) from None
+    if cfg.init_config is None and local:  # the weights whole and of this config's shapes, before any group exists
+        folder = Path(cfg.pretrained_path).expanduser() / (cfg.subfolder or "")
+        from accelerate import init_empty_weights
+
+        with init_empty_weights(include_buffers=False):
+            meta = cls.from_config(config)
+        check_weights(folder, {k: tuple(t.shape) for k, t in meta.state_dict().items()})
     shapes = _sample_shapes(recipe, spec)  # reads the cache's manifest: a missing cache is named here, early
     if recipe.parallel.cp > 1:
         check_tokens(recipe.parallel.cp, spec, shapes, config)
@@ -247,24 +261,67 @@ def _source_digest(folder: Path) -> float:
     return float(int.from_bytes(h.digest()[:6], "little"))
 
 
+def _safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    """The tensor shapes a .safetensors file's header declares, after checking the file holds all the data the
+    header promises (a copy or download cut short fails here, named, not deep inside a loader)."""
+    import json
+
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        n = int.from_bytes(f.read(8), "little") if size >= 8 else -1
+        header = f.read(n) if 0 < n <= size - 8 else b""
+    try:
+        entries = json.loads(header)
+        end = max((int(e["data_offsets"][1]) for k, e in entries.items() if k != "__metadata__"), default=0)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise UserError(f"model.pretrained_path: {file} is not a readable .safetensors file ({size} bytes, no valid "
+                        "header): download or convert it again") from None  # fmt: skip
+    if 8 + n + end > size:
+        raise UserError(f"model.pretrained_path: {file} is truncated: its header declares {8 + n + end} bytes, the "
+                        f"file holds {size}; download or copy it again")  # fmt: skip
+    return {k: tuple(e["shape"]) for k, e in entries.items() if k != "__metadata__"}
+
+
+def check_weights(folder: Path, expected: dict[str, tuple[int, ...]]) -> None:
+    """The transformer's weights in `folder` are complete and fit the model its config builds (`expected`: parameter
+    name -> shape): every .safetensors file whole, every file its index names present, every parameter stored with
+    its shape. Without .safetensors, .bin weights are left to diffusers."""
+    import json
+
+    files = sorted(folder.glob("*.safetensors"))
+    for index in folder.glob("*.safetensors.index.json"):
+        named = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        absent = [n for n in named if not (folder / n).is_file()]
+        if absent:
+            raise UserError(f"model.pretrained_path: {folder} lacks {len(absent)} of the {len(named)} weight files "
+                            f"{index.name} names ({', '.join(absent[:3])}); download it again")  # fmt: skip
+    if not files:
+        if any(folder.glob("*.bin")):
+            return
+        held = sorted(p.name for p in folder.iterdir())[:5]
+        raise UserError(f"model.pretrained_path: no weights (.safetensors or .bin) in {folder}, only {held}; "
+                        "download the checkpoint's weights")  # fmt: skip
+    stored = {k: v for f in files for k, v in _safetensors_shapes(f).items()}
+    missing = sorted(set(expected) - set(stored))
+    if missing:
+        raise UserError(f"model.pretrained_path: {folder} lacks {len(missing)} weights of this model (e.g. "
+                         f"{missing[:3]}); is it the right checkpoint for model.family?")  # fmt: skip
+    wrong = [k for k in expected if stored[k] != tuple(expected[k])]
+    if wrong:
+        k = wrong[0]
+        raise UserError(f"model.pretrained_path: {folder} holds {k} with shape {stored[k]}, the model its "
+                         f"config.json builds has {tuple(expected[k])} ({len(wrong)} such weights): the config and "
+                         "the weights are of different models")  # fmt: skip
+
+
 def _load_pretrained_shards(model: torch.nn.Module, folder: Path) -> None:
     """Fill each rank's shard of every pretrained parameter from the safetensors in `folder`, slice by slice."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    reader = HuggingFaceStorageReader(str(folder))
-    stored = reader.read_metadata().state_dict_metadata
     state = {_base_key(n): t for n, t in model.state_dict().items() if ".lora_" not in n}
-    missing = sorted(set(state) - set(stored))
-    if missing:
-        raise UserError(f"model.pretrained_path: {folder} lacks {len(missing)} weights of this model (e.g. "
-                         f"{missing[:3]}); is it the right checkpoint for model.family?")  # fmt: skip
-    wrong = [k for k in state if tuple(stored[k].size) != tuple(state[k].shape)]
-    if wrong:
-        k = wrong[0]
-        raise UserError(f"model.pretrained_path: {folder} holds {k} with shape {tuple(stored[k].size)}, the model's "
-                         f"config gives {tuple(state[k].shape)} ({len(wrong)} such weights)")  # fmt: skip
-    dcp.load(state, storage_reader=reader)
+    check_weights(folder, {k: tuple(t.shape) for k, t in state.items()})  # a hub download: checked once here
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(folder)))
 
 
 def whole_model(recipe: Recipe, spec: FamilySpec) -> torch.nn.Module:

@@ -496,7 +496,7 @@ def _encode_items(run: _Run, listing: _Listing, stop_after: int | None) -> tuple
     prefetch = max(1, run.data.num_workers)
     for item, (status, payload) in _prefetched(functools.partial(_load_item, run, buckets), mine, prefetch):
         if status == "reuse":
-            records.append(_reused_record(run.cache, item))
+            records.append(_reused_record(run.cache, item, run.text_tokens))
         elif status == "bad":
             records.append(
                 {"index": item.index, "source": item.name, "reason": payload.reason, "detail": payload.detail}
@@ -537,7 +537,14 @@ def _encode_item(run: _Run, item: SourceItem, bucket: Bucket, clip: torch.Tensor
     }
     path = sample_path(run.cache, item.index)
     _atomic_save(tensors, path, meta)
-    return _ok_record(item, bucket, int(tensors["prompt_embeds"].shape[0]), path.stat().st_size, reused=False)
+    record = _ok_record(item, bucket, int(tensors["prompt_embeds"].shape[0]), path.stat().st_size, reused=False)
+    return record | {"at_limit": _at_limit(tensors.get("prompt_mask"), run.text_tokens)}
+
+
+def _at_limit(mask: torch.Tensor | None, limit: int | None) -> bool:
+    """Whether a caption's tokens (its text mask's true entries) fill the text length: a longer caption was cut
+    there by the tokenizer (`truncation=True` in every pipeline), which no pipeline says."""
+    return bool(mask is not None and limit and int(mask.sum()) >= limit)
 
 
 def _non_finite(tensors: dict[str, torch.Tensor]) -> str:
@@ -576,20 +583,21 @@ def _ok_record(item: SourceItem, bucket: Bucket | str, text_len: int, size: int,
             "text_len": text_len, "bytes": size, "reused": reused}  # fmt: skip
 
 
-def _reused_record(cache: Path, item: SourceItem) -> dict[str, Any]:
+def _reused_record(cache: Path, item: SourceItem, text_tokens: int | None) -> dict[str, Any]:
     from safetensors import safe_open
 
     path = sample_path(cache, item.index)
     with safe_open(str(path), "pt") as f:
         meta = f.metadata() or {}
         text_len = f.get_slice("prompt_embeds").get_shape()[0]
+        mask = f.get_tensor("prompt_mask") if "prompt_mask" in f.keys() else None
     if meta.get("source") != item.name:
         raise PrepareError(
             f"{sample_path(cache, item.index)} was written for {meta.get('source')!r} but item {item.index} is now "
             f"{item.name!r}: the source listing changed; prepare into a new data.cache_dir"
         )
     record = _ok_record(item, meta["bucket"], text_len, path.stat().st_size, reused=True)
-    return record | {"caption": meta.get("caption", item.caption)}
+    return record | {"caption": meta.get("caption", item.caption), "at_limit": _at_limit(mask, text_tokens)}
 
 
 def _tensor_info(path: Path) -> dict[str, dict[str, Any]]:
@@ -634,7 +642,11 @@ def _manifest(
         },
         "buckets": dict(sorted(buckets.items())),
         "tensors": {b: _tensor_info(cache / f) for b, f in sorted(first_of.items())},
-        "text": {"max_tokens": text_tokens, "longest": max([empty_len, *(r["text_len"] for r in ok)])},
+        "text": {
+            "max_tokens": text_tokens,
+            "longest": max([empty_len, *(r["text_len"] for r in ok)]),
+            "at_limit": [r["source"] for r in ok if r.get("at_limit")],
+        },  # fmt: skip
         "empty_prompt": "empty_prompt.safetensors",
         "samples": [
             {k: r[k] for k in ("index", "file", "bucket", "caption", "source", "text_len", "bytes")} for r in ok
@@ -666,6 +678,11 @@ def summary(manifest: dict[str, Any], cache: Path | str) -> str:
         f"  time     {t['seconds']:.1f} s on {t['processes']} process(es) (loading {t['load_seconds']:.1f} s)"
         + (f", {t['new_items_per_second']:.2f} new items/s after loading" if t["new_items_per_second"] else ""),
     ]
+    cut = manifest["text"].get("at_limit", [])
+    if cut:
+        lines.append(f"  text     {len(cut)} caption(s) reach the {manifest['text']['max_tokens']}-token limit, so "
+                     f"longer ones were cut there (e.g. {', '.join(cut[:3])}): shorten them, or raise "
+                     "data.max_text_tokens where the family's pipeline takes more")  # fmt: skip
     for r in manifest["bad"][:20]:
         lines.append(f"  bad      {r['reason']}: {r['detail']}")
     if len(manifest["bad"]) > 20:

@@ -87,6 +87,38 @@ def check_validation(recipe: Recipe, spec: FamilySpec) -> None:
             raise UserError(f"{key}: {spec.name} ({spec.pipeline_class}) takes no conditioning image; remove it")
         if p.image is not None and not Path(p.image).expanduser().is_file():
             raise UserError(f"{key}: no file {Path(p.image).expanduser().resolve()}; point it at an image file")
+        if p.image is not None:
+            _check_image(key, Path(p.image).expanduser())
+    _check_size(recipe, spec)
+
+
+def _check_image(key: str, path: Path) -> None:
+    """The conditioning image opens as an image (PIL reads its header and checks its data), not at the first sample."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            im.verify()
+    except Exception as e:  # PIL's UnidentifiedImageError, a truncated file's OSError, a SyntaxError from a bad header
+        reason = (str(e).splitlines() or [""])[0][:160]
+        raise UserError(f"{key}: {path.resolve()} is not an image PIL can read ({type(e).__name__}: {reason}); point "
+                        "it at a PNG, JPEG or WebP file") from None  # fmt: skip
+
+
+def _check_size(recipe: Recipe, spec: FamilySpec) -> None:
+    """The samples' size follows the family's rules (the pipeline would otherwise round it, with at most a logged
+    warning, and render another size than the recipe says)."""
+    from train.data.media import Bucket
+    from train.models import get_encoder
+
+    v, d, m = recipe.validation, recipe.data, recipe.model
+    frames = (v.num_frames or d.num_frames) if spec.latent_kind == "video" else 1
+    size = Bucket(frames, v.height or d.height, v.width or d.width)
+    geometry = get_encoder(spec.name).geometry(m.pretrained_path, m.revision)
+    names = {"num_frames": "validation.num_frames", "height": "validation.height", "width": "validation.width"}
+    problems = [names[p.split()[0]] + p[len(p.split()[0]) :] for p in geometry.problems(size)]
+    if problems:
+        raise UserError(f"{'; '.join(problems)} (rules from {geometry.source}); the pipeline would round it silently")
 
 
 def sample_paths(output_dir: str | Path, step: int, count: int, latent_kind: str) -> list[Path]:

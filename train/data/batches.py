@@ -82,7 +82,31 @@ class Batches:
         return [f"#{i}" for i in indices]
 
     def state_dict(self) -> dict:
-        return self.sampler.state_dict()
+        """The sampler's position, and (a cache) the data's fingerprint (`CachedLatentDataset.fingerprint`)."""
+        cached = isinstance(self.dataset, CachedLatentDataset)
+        return {**self.sampler.state_dict(), **({"cache": self.dataset.fingerprint()} if cached else {})}
+
+    def resume_notes(self, saved: dict, step: int) -> list[str]:
+        """The saved data state (a checkpoint's `data`) against this run's, before any weights are read: a cache of
+        another size (the epoch's order cannot continue) is a UserError; a cache whose captions or samples changed
+        at the same size is a note (the run continues on the new data, and says so)."""
+        now, was = self.state_dict(), saved.get("cache")
+        if not isinstance(self.dataset, CachedLatentDataset) or was is None:
+            return []
+        fp = now["cache"]
+        if was["samples"] != fp["samples"]:
+            raise UserError(f"resume: the checkpoint of step {step} trained on a cache of {was['samples']} samples "
+                            f"({was['cache_dir']}), data.cache_dir ({fp['cache_dir']}) now holds {fp['samples']}: its "
+                            "epoch order cannot continue; resume with that cache, or start a new run (another "
+                            "output_dir, or --archive-previous)")  # fmt: skip
+        changed = [what for what in ("captions", "content") if was[what] != fp[what]]
+        if not changed:
+            return []
+        said = {"captions": "its captions", "content": "its samples (files, sizes or encoding settings)"}
+        return [
+            f"data: the cache changed since step {step} ({' and '.join(said[c] for c in changed)}, same sample "
+            f"count {fp['samples']}): training continues on the new data at the same position"
+        ]
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state)

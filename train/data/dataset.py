@@ -184,6 +184,7 @@ class CachedLatentDataset:
     def __init__(self, cache_dir: str | Path, *, pad_text: bool = True, family: str | CacheReads | None = None) -> None:
         self.cache_dir = Path(cache_dir)
         self.non_finite: set[Path] = set()  # samples already reported as holding NaN/Inf
+        self._fingerprint: dict[str, Any] | None = None
         self.manifest = read_manifest(self.cache_dir)
         self.samples: list[dict[str, Any]] = self.manifest["samples"]
         if not self.samples:
@@ -250,6 +251,30 @@ class CachedLatentDataset:
     @property
     def family(self) -> str:
         return self.manifest["family"]
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a checkpoint records of the data it trained on, for resume to compare: the sample count, and digests
+        of the captions and of the rest of each sample's record (its file, bucket, source and size) with the
+        encoding settings (folders and timestamps excluded: a moved or re-written identical cache is the same
+        data). Computed once (the cache does not change under a run)."""
+        import hashlib
+
+        if self._fingerprint is not None:
+            return self._fingerprint
+
+        def digest(items) -> str:
+            return hashlib.sha256(json.dumps(items, sort_keys=True).encode()).hexdigest()[:16]
+
+        moved = ("source", "pretrained_path")  # folders: the same media and pipeline elsewhere are the same data
+        settings = {k: v for k, v in self.manifest.get("settings", {}).items() if k not in moved}
+        records = [[s.get(k) for k in ("file", "bucket", "source", "bytes")] for s in self.samples]
+        self._fingerprint = {
+            "cache_dir": str(self.cache_dir.resolve()),
+            "samples": len(self.samples),
+            "captions": digest([s.get("caption") for s in self.samples]),
+            "content": digest([settings, records]),
+        }
+        return self._fingerprint
 
     def __len__(self) -> int:
         return len(self.samples)

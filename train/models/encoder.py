@@ -14,13 +14,16 @@ transformer patch) configs, read without loading weights.
 from __future__ import annotations
 
 import functools
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from train.data.media import Geometry
+from train.errors import UserError
 
 __all__ = [
     "FamilyEncoder",
@@ -84,6 +87,19 @@ def load_processor_without_video(
         tokenizer=AutoTokenizer.from_pretrained(path, **kw),
         video_processor=None,
     )
+
+
+def _refused_pickle(pretrained_path: str, error: Exception) -> UserError:
+    """A pickled weights file of the pipeline (.bin/.pt/.pth) names something other than tensors: it was refused
+    (nothing ran); say which files are pickles and what to do."""
+    root = Path(pretrained_path).expanduser()
+    pickles = sorted(str(p.relative_to(root)) for ext in ("bin", "pt", "pth", "ckpt") for p in root.rglob(f"*.{ext}"))
+    found = re.search(r"GLOBAL (\S+)", str(error))
+    names = f" (it names {found.group(1)})" if found else ""
+    return UserError(f"model.pretrained_path: a pickled weights file of {root} was refused{names}: torch.load with "
+                     f"weights_only=True loads tensors only, and nothing in it ran. Pickled files there: "
+                     f"{pickles[:4] or 'none found locally'}; use the checkpoint's .safetensors weights (or convert "
+                     "a file you trust with safetensors)")  # fmt: skip
 
 
 def transformer_patch(config: Mapping[str, Any] | None, key: str, default: Any) -> Any:
@@ -206,8 +222,13 @@ class FamilyEncoder(ABC):
         index = pipeline_cls.load_config(pretrained_path, revision=revision)
         skip = {k: None for k in index if k.startswith("transformer") and not k.startswith("_")}
         dtype = {"default": text_dtype, "vae": torch.float32, "image_encoder": torch.float32}
-        own = self.pipeline_components(pretrained_path, revision)
-        self.pipe = pipeline_cls.from_pretrained(pretrained_path, revision=revision, dtype=dtype, **skip, **own)
+        import pickle
+
+        try:
+            own = self.pipeline_components(pretrained_path, revision)
+            self.pipe = pipeline_cls.from_pretrained(pretrained_path, revision=revision, dtype=dtype, **skip, **own)
+        except pickle.UnpicklingError as e:  # torch.load(weights_only=True) refused a pickled weights file
+            raise _refused_pickle(pretrained_path, e) from None
         self.device = torch.device(device)
         self.pipe.to(self.device)
 
