@@ -128,7 +128,14 @@ CASES = [
         words=("model.cp_plan", "plan for FluxTransformer2DModel", "WanTransformer3DModel"),
         nproc=2,
     ),
-    # --- the pretrained weights (checked in parse_args on every rank: before any process group) --------------------
+    # --- the pretrained weights: the sharded start's check as it loads, the whole-model start's in parse_args -------
+    trainer(
+        "pretrained_truncated_whole_model",
+        "model.pretrained_path={tmp}/pipe_truncated",
+        "model.init_config=null",
+        "model.sharded_load=false",
+        words=("diffusion_pytorch_model.safetensors is truncated", "download or copy it again"),
+    ),
     *(
         trainer(
             f"pretrained_{kind}", f"model.pretrained_path={{tmp}}/pipe_{kind}", "model.init_config=null", words=words
@@ -477,10 +484,10 @@ def _trainer_error(argv: list[str], world: int, tmp: Path) -> BaseException:
     """What train/finetune.py calls before its first step, in its order, until one raises: `parse_args` (what the
     entry point's `preflight` checks, and the model's config and tokens), then main()'s data (`build_dataset`,
     `check_text_lengths`) and memory check (`startup_check`), the CP plan file (`load_plan_file`, as CP is enabled),
-    the pretrained weights' folder (`pretrained_folder`) and the LoRA targets (`check_lora_targets`) as build_model
-    reads them, and resume's recipe check (`plan_resume` against the newest checkpoint's `read_trainer_state`), data
-    check (`resume_notes`), checkpoint verification (`restore`) and its metrics file (`truncate_after`'s
-    `read_metrics`, rank 0's)."""
+    the pretrained weights' folder and files (`pretrained_folder`, `check_weights`) and the LoRA targets
+    (`check_lora_targets`) as build_model reads them, and resume's recipe check (`plan_resume` against the newest
+    checkpoint's `read_trainer_state`), data check (`resume_notes`), checkpoint verification (`restore`) and its
+    metrics file (`truncate_after`'s `read_metrics`, rank 0's)."""
     import torch
 
     from train.checkpoint import complete_checkpoints, read_trainer_state, restore, verify_checkpoint
