@@ -126,7 +126,8 @@ def save_checkpoint(
     output_dir: str | Path, step: int, app: AppState, trainer_state: dict, keep_last: int
 ) -> Path | None:
     """Write checkpoint `step` (collective) and rotate to the last `keep_last`; return its path, or None (nothing
-    written) when a model parameter is not finite."""
+    written) when a model parameter is not finite. A write that fails on any rank (disk full, quota, permissions) is
+    the same UserError on every rank, naming the latest complete checkpoint; the partial folder is removed."""
     rank, root = dist.get_rank(), checkpoint_root(output_dir)
     if not parameters_finite(app.model):
         if rank == 0:

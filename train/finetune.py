@@ -346,9 +346,10 @@ def finish(out_dir: Path, step: int, metrics: MetricsLogger, watchdog: runtime.W
     """After the export: every rank done, the run report, the trackers closed, the process group destroyed. A
     SIGINT/SIGTERM that came after the loop (during the export) waited for it: the run is complete, said so, and
     marked for the launcher (exit 0). A run whose last steps were skipped as non-finite (`bad_streak`: its export
-    holds the last applied step's weights) then fails, naming them."""
-    ended_bad = bad_steps_error(bad_streak, ended=True) if bad_streak else None  # a collective
-    in_loop = stop.agreed_signal
+    holds the last applied step's weights) then fails, naming them; a run stopped by a signal has not ended (it
+    resumes from its checkpoint), whatever its last steps were."""
+    in_loop = stop.agreed_signal  # the same on every rank
+    ended_bad = bad_steps_error(bad_streak, ended=True) if bad_streak and not in_loop else None  # a collective
     late = stop.agreed()  # a collective: also every rank's arrival
     watchdog.idle()
     if dist.get_rank() == 0:  # plots + report.md from the files written; never fails the run (train/report.py)
