@@ -187,17 +187,24 @@ def stopped_rank(root: Path, started: list) -> dict:
     return {"rc": rc, "elapsed": time.monotonic() - t0, "out": out, "log": log.read_text()}
 
 
-@early
-def launcher_killed_early(root: Path, started: list) -> dict:
-    """A 2-rank launch whose launcher is SIGKILLed while its ranks still import (~10 s, before a rank can arm its
-    death signal): the ranks' seconds to be gone, and whether the log had a rank's first line yet."""
-    out, log = root / "early", root / "early.log"
-    job = start(out, log)
+def _launched_ranks(root: Path, name: str, started: list) -> tuple[subprocess.Popen, Path, list[psutil.Process]]:
+    """The long 2-rank run started into `root/name`, once its launcher has both ranks (still importing): the
+    launcher, its log, the ranks (all appended to `started`)."""
+    log = root / f"{name}.log"
+    job = start(root / name, log)
     started.append(job)
     launcher = psutil.Process(job.pid)
     wait_until(lambda: len(launcher.children(recursive=True)) >= 2, "the launcher's 2 ranks", 120)
     ranks = launcher.children(recursive=True)
     started += ranks
+    return job, log, ranks
+
+
+@early
+def launcher_killed_early(root: Path, started: list) -> dict:
+    """A 2-rank launch whose launcher is SIGKILLed while its ranks still import (~10 s, before a rank can arm its
+    death signal): the ranks' seconds to be gone, and whether the log had a rank's first line yet."""
+    job, log, ranks = _launched_ranks(root, "early", started)
     importing = "recipe:" not in log.read_text()  # a rank prints the recipe after its imports and the group
     os.kill(job.pid, signal.SIGKILL)
     job.wait(timeout=30)
@@ -209,13 +216,7 @@ def interrupted_early(root: Path, started: list) -> dict:
     """Ctrl-C while a 2-rank launch's ranks import torch (past the interpreter's own start, ~0.2 s, where no handler
     of ours can run yet: resident memory over 150 MB): SIGINT to the launch's whole process group (what a terminal
     sends), then the launch awaited (~10 s)."""
-    out, log = root / "interrupted", root / "interrupted.log"
-    job = start(out, log)
-    started.append(job)
-    launcher = psutil.Process(job.pid)
-    wait_until(lambda: len(launcher.children(recursive=True)) >= 2, "the launcher's 2 ranks", 120)
-    ranks = launcher.children(recursive=True)
-    started += ranks
+    job, log, ranks = _launched_ranks(root, "interrupted", started)
     wait_until(lambda: all(r.memory_info().rss > 150 * 2**20 for r in ranks), "the ranks importing torch", 120)
     importing = "recipe:" not in log.read_text()
     os.killpg(job.pid, signal.SIGINT)
