@@ -22,8 +22,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.startup_memory import ALLOCATOR_ENV
-
 REPO = Path(__file__).resolve().parents[1]
 MID = {"patch_size": [1, 2, 2], "num_attention_heads": 12, "attention_head_dim": 64, "in_channels": 16,
        "out_channels": 16, "text_dim": 256, "freq_dim": 256, "ffn_dim": 3072, "num_layers": 4,
@@ -46,7 +44,7 @@ def launch(out_dir: Path, nproc: int, steps: int, latents: list[int], *sets: str
     cmd = [sys.executable, "-m", "train.launch", "--config_file", "configs/accelerate/cpu.yaml",
            "--num_processes", str(nproc), "train/finetune.py", "--recipe", "recipes/tiny/wan.yaml",
            *[a for o in overrides for a in ("--set", o)]]  # fmt: skip
-    env = {**os.environ, **ALLOCATOR_ENV, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))}
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         raise RuntimeError(f"launch failed: {' '.join(sets)}\n{proc.stderr[-4000:]}")

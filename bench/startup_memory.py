@@ -8,15 +8,14 @@ random weights; `--layers` changes the block count) is written once as a local b
 then runs through `python -m train.launch` on 4 CPU processes (cp 2 × dp_shard 2) for one step at a short sequence (so
 the weights dominate), once per loading path.
 Measured: the largest descendant's peak RSS (`getrusage(RUSAGE_CHILDREN)` of a fresh parent process), minus the
-same launch of the tiny recipe (imports, process group, allocator: ~0.4-0.5 GiB per rank). glibc is told to return
-large frees to the OS at once (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`), so RSS tracks live memory.
+same launch of the tiny recipe (imports, process group, allocator: ~0.4-0.5 GiB per rank). Nothing is set in the
+environment: the launches run as a user's do (the trainer tunes glibc's malloc itself, train/hostmem.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -30,9 +29,6 @@ WAN_1_3B = {
     "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 8960, "num_layers": 30, "cross_attn_norm": True,
     "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024,
 }  # fmt: skip
-# glibc: allocations ≥ 64 KiB are mmapped and unmapped on free (no dynamic threshold growth keeping freed model-size
-# buffers in the heap), so the peak RSS is the peak of live memory plus a small heap.
-ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "2"}
 POOL = 1 << 22  # normal draws the random weights are tiled from
 # The measured step's synthetic sample: 32 video tokens (2 × 4 × 4 after the 1×2×2 patch, 16 per rank at cp 2) and
 # 16 text tokens. SHORT: 2 video tokens (1 per rank) and 2 text tokens, for tests/test_scale.py (see `measure`).
@@ -85,9 +81,7 @@ def launch_peak(out_dir: Path, nproc: int, recipe: str, *overrides: str) -> int:
            "--num_processes", str(nproc), "train/finetune.py", "--recipe", recipe, "--set", f"output_dir={out_dir}",
            "--set", "logging.progress_bar=false", "--set", "logging.wandb_mode=disabled",
            *[a for o in overrides for a in ("--set", o)]]  # fmt: skip
-    env = {**os.environ, **ALLOCATOR_ENV, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "-c", _MEASURE, *cmd], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", _MEASURE, *cmd], cwd=REPO, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"launch failed: {' '.join(cmd)}\n{proc.stderr[-6000:]}")
     return int(proc.stdout.strip().splitlines()[-1])

@@ -8,9 +8,10 @@ whole-model path loads.
 - In the same group, with the trainer's own step (`train_step`, `build_optimizer`, bf16 autocast): four steps of full
   fine-tuning from the bf16 folder, sharded vs whole, same loss and grad norm (≤ 1e-6 relative).
 - Memory, through the real entry point (bench/startup_memory.py launches the trainer, whose default is the sharded
-  start): the real Wan2.1-1.3B config (random bf16 weights, 2.8 GB), 4 ranks,
-  one step: peak RSS per rank − the tiny launch's ≤ 0.45 × the bf16 model (~0.43 when written, 1.2-2.0 before; 0.37
-  at the test's 2-token step, 0.41 at the bench's default 32 tokens).
+  start) as a user's launch has it (nothing set in the environment; the trainer tunes glibc's malloc itself,
+  train/hostmem.py): the real Wan2.1-1.3B config (random bf16 weights, 2.8 GB), 4 ranks, one step: peak RSS per
+  rank − the tiny launch's ≤ 0.45 × the bf16 model (0.38 at the test's 2-token step, 0.41 at the bench's default 32
+  tokens; 0.95 with glibc's defaults).
 """
 
 from __future__ import annotations

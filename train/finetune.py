@@ -29,16 +29,18 @@ from typing import Any, NamedTuple
 if __package__ in (None, ""):  # `accelerate launch train/finetune.py` runs this file as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 if __name__ == "__main__":  # recipe, degree and path errors within a second, before the seconds of imports below
+    from train import hostmem
     from train.config import preflight
     from train.errors import quiet_interrupt
 
+    hostmem.tune()  # before torch allocates: freed model-size buffers go back to the OS (train/hostmem.py)
     quiet_interrupt()  # Ctrl-C during the imports and startup: exit 130, no traceback
     preflight(sys.argv[1:])
 
 import torch
 import torch.distributed as dist
 
-from train import rundir, runtime
+from train import hostmem, rundir, runtime
 from train.checkpoint import (
     AppState,
     complete_checkpoints,
@@ -564,6 +566,7 @@ def run_rank() -> None:
     """What every rank a launcher starts runs after the preflight (`accelerate launch train/finetune.py ...`, and the
     test harness's warm ranks): tied to its launcher, main() with one-line user errors, no interpreter teardown."""
     runtime.die_with_launcher()  # SIGKILL of `accelerate launch` takes its ranks along: no orphans
+    hostmem.tune()  # (again: the harness's warm ranks start here) host RSS tracks live memory, train/hostmem.py
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # diffusers transformers return reshaped views; FSDP2 warns on every forward. The trainer never modifies the
     # output in place (family specs map it out of place), which is the case that warning is about.
