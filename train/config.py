@@ -297,6 +297,21 @@ class TrainConfig(Section):
     """Steps in a row with a non-finite loss or gradient norm (each skipped: no update) before the run stops."""
     caption_dropout: float = Field(0.0, ge=0, le=1)
     """Probability of replacing a sample's caption with the empty caption (for classifier-free guidance)."""
+    optimizer: Literal["adamw", "adamw_8bit", "adamw_4bit"] = "adamw"
+    """AdamW's two moments: adamw = in the trained weights' dtype (fp32; bf16 with master_weights: bf16); adamw_8bit /
+    adamw_4bit = torchao's block-quantized moments (1 / 0.5 byte per value each, for tensors of at least 4096 values
+    on a rank; smaller ones keep adamw's). Each keeps FSDP2's sharding, DCP checkpoints and exact resume."""
+    master_weights: Literal["fp32", "bf16"] = "fp32"
+    """The trained weights' dtype: fp32, or bf16 with each update stochastically rounded (torchao, seeded per step:
+    exact on resume), which needs train.mixed_precision: bf16. Full fine-tuning then holds 8 bytes per parameter
+    with adamw (6 with adamw_8bit) instead of 16 (every parameter bf16, norms too: FSDP2 trains one dtype)."""
+
+    @model_validator(mode="after")
+    def _master(self) -> TrainConfig:
+        if self.master_weights == "bf16" and self.mixed_precision != "bf16":
+            report([("master_weights", f"is bf16, whose weights compute in bf16, but mixed_precision is "
+                     f"{self.mixed_precision}; set train.mixed_precision: bf16, or master_weights: fp32")])  # fmt: skip
+        return self
 
 
 class FinetuneConfig(Section):

@@ -40,6 +40,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from train import optim
 from train.config import Recipe, add_recipe_args, recipe_from_args
 from train.errors import UserError
 
@@ -179,7 +180,7 @@ def model_shape(recipe: Recipe) -> ModelShape:
 
     spec = family_spec(recipe.model)
     model = meta_transformer(recipe.model, spec)
-    apply_finetune(model, recipe.finetune, spec)
+    apply_finetune(model, recipe.finetune, spec, recipe.train.master_weights)
     blocks = repeated_blocks(model)
     where = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
     params = tuple((tuple(p.shape), p.element_size(), p.requires_grad, where.get(id(p), -1))
@@ -306,7 +307,7 @@ def _measure(
     torch.manual_seed(0)
     model = getattr(diffusers, spec.transformer_class).from_config(instance["config"]).to(dtype).train()
     model.set_attention_backend("native")
-    apply_finetune(model, FinetuneConfig(method=method), spec)
+    apply_finetune(model, FinetuneConfig(method=method), spec, "fp32")
     if precision == "bf16":
         model.to(dtype)  # what FSDP2's param_dtype gives the compute on GPU (LoRA's fp32 adapters too)
     shapes = _scaled_shapes(instance, grid, text)
@@ -439,7 +440,7 @@ def calibrate(family: str, log: Callable[[str], None] = print) -> dict[str, Any]
     spec = get_family(family)
     with torch.device("meta"):
         meta = getattr(diffusers, spec.transformer_class).from_config(instance["config"])
-    apply_finetune(meta, FinetuneConfig(method="lora"), spec)
+    apply_finetune(meta, FinetuneConfig(method="lora"), spec, "fp32")
     blocks = repeated_blocks(meta)
     width = sum(_linear_width(b) for b in blocks) / len(blocks)
     inner, heads = _inner_dim(instance["config"]), int(instance["config"]["num_attention_heads"])
@@ -522,8 +523,9 @@ def estimate(recipe: Recipe, world_size: int, device_type: str = "cuda", shape: 
 
     c: dict[str, float] = {}
     c["parameters"] = sharded(None)
-    c["gradients"] = sharded(True, 4)  # fp32, sharded (FSDP2 reduce-scatters into the shard)
-    c["optimizer state (AdamW)"] = 2 * sharded(True, 4)
+    c["gradients"] = sharded(True)  # in the trained weights' dtype, sharded (FSDP2 reduce-scatters into the shard)
+    c["optimizer state (AdamW)"] = sum(optim.state_bytes(_padded_shard_numel(s, fsdp), e, t.optimizer)
+                                       for s, e in shape.select(True))  # fmt: skip
     # FSDP2: the root (outside the blocks) stays gathered from forward to backward; a block in flight is gathered
     # while the next one is prefetched; its all-gather output is copied out into the parameters (one more block);
     # backward adds its unsharded gradients and their fp32 reduce-scatter input.
@@ -556,8 +558,10 @@ def estimate(recipe: Recipe, world_size: int, device_type: str = "cuda", shape: 
         c["CP all-to-all buffers"] = 2 * 4 * b * n * inner * elem
     step = c["parameters"] + c["gradients"] + c["optimizer state (AdamW)"]
     # AdamW's foreach path (CUDA) keeps one fp32 temporary per parameter of the whole list; the CPU path goes per tensor
-    opt_temp = sharded(True, 4) if cuda else max((_padded_shard_numel(s, fsdp) * 4 for s, _ in shape.select(True)),
-                                                 default=0)  # fmt: skip
+    # (torchao's optimizers, train/optim.py, compile one step per tensor: its temporaries are one tensor's at most)
+    torch_foreach = cuda and t.optimizer == "adamw" and t.master_weights == "fp32"
+    largest = max((_padded_shard_numel(s, fsdp) * 4 for s, _ in shape.select(True)), default=0)
+    opt_temp = sharded(True, 4) if torch_foreach else largest
     # Forward/backward peaks early in backward, when the sharded gradients hardly exist yet (zero_grad sets them to
     # None each step): they count in the optimizer step's peak, with AdamW's state and temporaries.
     fwd_bwd = sum(c.values()) - c["gradients"]
@@ -584,15 +588,29 @@ def parse_gib(text: str) -> float:
     return value * 1e9 / GIB if m.group(2) == "gb" else value
 
 
+# Full fine-tuning's optimizer levers (train/optim.py) with the cost `_variants` gives them: 8-bit moments first
+# (no compute, a loss drift of ~1e-4: tests/test_optim.py), then bf16 master weights, then both.
+OPTIMIZER_LEVERS: list[tuple[int, dict[str, Any]]] = [
+    (1, {"train.optimizer": "adamw_8bit"}),
+    (2, {"train.master_weights": "bf16", "train.mixed_precision": "bf16"}),
+    (3, {"train.optimizer": "adamw_8bit", "train.master_weights": "bf16", "train.mixed_precision": "bf16"}),
+]
+
+
 def _variants(recipe: Recipe, gpus: int) -> Iterable[tuple[int, dict[str, Any]]]:
     """(cost, overrides) of the layouts to try, cheapest change first: checkpointing, more CP, checkpointing every
-    block, all the CP a node gives, offload."""
+    block, all the CP a node gives, offload; for full fine-tuning, with the optimizer levers too."""
     t, p = recipe.train, recipe.parallel
     cps = [c for c in range(1, gpus + 1) if gpus % (c * p.dp_replicate) == 0]
-    for cp in cps:
+    levers = [(0, {})]
+    if recipe.finetune.method == "full":
+        now = {"train.optimizer": t.optimizer, "train.master_weights": t.master_weights,
+               "train.mixed_precision": t.mixed_precision}  # fmt: skip
+        levers += [(c, {k: v for k, v in o.items() if now[k] != v}) for c, o in OPTIMIZER_LEVERS]
+    for (lever_cost, lever), cp in ((lv, cp) for lv in levers for cp in cps):
         for every in ((t.checkpoint_every,) if t.gradient_checkpointing else ()) + (2, 1):
             for offload in (t.offload_activations, True):
-                changes = {}
+                changes = dict(lever)
                 if cp != p.cp:
                     changes["parallel.cp"] = cp
                 if (every, True) != (t.checkpoint_every, t.gradient_checkpointing) or not t.gradient_checkpointing:
@@ -602,14 +620,14 @@ def _variants(recipe: Recipe, gpus: int) -> Iterable[tuple[int, dict[str, Any]]]
                     changes["train.offload_activations"] = offload
                 ckpt_changed = "train.gradient_checkpointing" in changes
                 cost = 4 * ("parallel.cp" in changes) * cps.index(cp) + 3 * offload + 2 * ckpt_changed + (every == 1)
-                yield cost, changes
+                yield cost + lever_cost, changes
 
 
 def suggest(recipe: Recipe, gpus: int, gib: float, device_type: str = "cuda") -> str:
     """The smallest change (fewest, cheapest levers) whose prediction fits `gib`, as `--set` overrides."""
     from train.config import recipe_from_dict, recipe_to_dict
 
-    shape = model_shape(recipe)
+    shapes = {recipe.train.master_weights: model_shape(recipe)}  # the trained weights' dtype is in the shape
     for _, changes in sorted(_variants(recipe, gpus), key=lambda v: v[0]):
         data = recipe_to_dict(recipe)
         for key, value in changes.items():
@@ -618,13 +636,18 @@ def suggest(recipe: Recipe, gpus: int, gib: float, device_type: str = "cuda") ->
         data["parallel"]["dp_shard"] = -1  # what is left of the world after cp
         try:
             candidate = recipe_from_dict(data)
+            master = candidate.train.master_weights
+            shape = shapes[master] = shapes.get(master) or model_shape(candidate)
             e = estimate(candidate, gpus, device_type, shape)
         except ValueError:
             continue
         if e.peak <= gib * GIB:
             sets = " ".join(f"--set {k}={str(v).lower()}" for k, v in changes.items())
             return f"fits with {sets} (predicted {e.peak / GIB:.1f} GiB)" if changes else "fits as is"
-    return "no layout of cp, checkpointing and offload fits: more GPUs (FSDP shards over all of them) or LoRA"
+    return (
+        "no layout of cp, checkpointing, offload and optimizer levers fits: more GPUs (FSDP shards over all of "
+        "them) or LoRA"
+    )
 
 
 def device_memory_gib(recipe: Recipe, device: torch.device) -> float | None:

@@ -34,13 +34,19 @@ if __name__ == "__main__":  # recipe, degree and path errors within a second, be
     from train.errors import quiet_interrupt
 
     hostmem.tune()  # before torch allocates: freed model-size buffers go back to the OS (train/hostmem.py)
+    # torchao (which transformers imports when installed) logs each CUDA kernel library it cannot load on a machine
+    # without one, and torch notes its enums: lines on every rank of every launch that say nothing about the run
+    import logging
+
+    for noisy in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
     quiet_interrupt()  # Ctrl-C during the imports and startup: exit 130, no traceback
     preflight(sys.argv[1:])
 
 import torch
 import torch.distributed as dist
 
-from train import hostmem, rundir, runtime
+from train import hostmem, optim, rundir, runtime
 from train.checkpoint import (
     AppState,
     complete_checkpoints,
@@ -205,9 +211,9 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     if dims.world_size > 1:
         dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
     finite = bool(loss_sum.isfinite() and grad_norm.isfinite())  # the norm is global already: equal on every rank
-    lr = tr.scheduler.get_last_lr()[0]  # this step's rate (the scheduler then moves on to the next step's)
+    lr = float(tr.scheduler.get_last_lr()[0])  # this step's rate (the scheduler then moves on to the next step's)
     if finite:
-        tr.optimizer.step()
+        optim.step(tr.optimizer, t.seed, step, tr.device)  # (seeded stochastic rounding with bf16 master weights)
         tr.scheduler.step()
         tr.bad.streak.clear()
     else:
@@ -246,7 +252,9 @@ def bad_steps_error(streak: list[BadStep], ended: bool = False) -> UserError:
 
 
 def build_optimizer(params: list[torch.nn.Parameter], t: TrainConfig):
-    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay)
+    """AdamW (`train.optimizer`, `train.master_weights`: train/optim.py) and its learning-rate schedule."""
+    optimizer = optim.build(params, t.optimizer, t.master_weights, lr=t.lr, betas=tuple(t.betas), eps=t.eps,
+                            weight_decay=t.weight_decay)  # fmt: skip
     return optimizer, lr_schedule(optimizer, t, t.max_steps)
 
 
@@ -277,10 +285,10 @@ def checkpoint_state(recipe: Recipe, run: dict, step: int, scheduler, batches: B
     """What a checkpoint holds besides the DCP shards: plain data (JSON), read back without running any code: the
     run's id (train/rundir.py), the step, scheduler and data position, and the recipe and layout it was trained with
     (checked at resume)."""
-    dims = mesh.dims
-    return {"run_id": run["run"]["id"], "step": step, "scheduler": scheduler.state_dict(), "data": batches.state_dict(),
-            "recipe": recipe_to_dict(recipe), "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
-            "cp": dims.cp, "world_size": dims.world_size}}  # fmt: skip
+    d = mesh.dims
+    layout = {"dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "world_size": d.world_size}
+    return {"run_id": run["run"]["id"], "step": step, "scheduler": optim.scheduler_state(scheduler),
+            "data": batches.state_dict(), "recipe": recipe_to_dict(recipe), "layout": layout}  # fmt: skip
 
 
 def resume(recipe: Recipe, run: dict, args: argparse.Namespace, app: AppState, scheduler, batches: Batches,
@@ -314,8 +322,7 @@ def resume(recipe: Recipe, run: dict, args: argparse.Namespace, app: AppState, s
     for group in app.optimizer.param_groups:  # DCP restored the old hyper-parameters: the recipe's apply from here
         group.update(betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay)
     if plan.reset_schedule:  # the new schedule (warmup included) over the remaining steps, from the new lr
-        for group in app.optimizer.param_groups:
-            group["lr"] = group["initial_lr"] = t.lr
+        optim.set_lr(app.optimizer, t.lr)
         scheduler = lr_schedule(app.optimizer, t, max(t.max_steps - start, 1))
     else:
         scheduler.load_state_dict(state["scheduler"])

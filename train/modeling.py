@@ -159,11 +159,24 @@ def meta_transformer(cfg: ModelConfig, spec: FamilySpec) -> torch.nn.Module:
     return model.train()
 
 
-def apply_finetune(model: torch.nn.Module, cfg: FinetuneConfig, spec: FamilySpec) -> list[str]:
-    """Full: every parameter trains, in fp32 (master weights). LoRA: the base is frozen, adapters train in fp32.
-    Works on a meta model too (nothing is allocated). Returns the names of the trainable parameters."""
+def cast_master(model: torch.nn.Module, master_weights: str) -> None:
+    """Full fine-tuning's trained weights (`train.master_weights`): fp32 (buffers too), or every parameter bf16, the
+    modules diffusers keeps in fp32 included (FSDP2 needs one dtype for the trained parameters of a group; buffers
+    such as RoPE tables keep theirs)."""
+    if master_weights == "fp32":
+        model.to(torch.float32)
+        return
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+
+
+def apply_finetune(model: torch.nn.Module, cfg: FinetuneConfig, spec: FamilySpec, master_weights: str) -> list[str]:
+    """Full: every parameter trains, in `master_weights` (cast_master). LoRA: the base is frozen, adapters train in
+    fp32 (bf16 with master_weights: bf16). Works on a meta model too (nothing is allocated). Returns the names of the
+    trainable parameters."""
     if cfg.method == "full":
-        model.to(torch.float32).requires_grad_(True)
+        cast_master(model, master_weights)
+        model.requires_grad_(True)
     else:
         from peft import LoraConfig
 
@@ -177,9 +190,10 @@ def apply_finetune(model: torch.nn.Module, cfg: FinetuneConfig, spec: FamilySpec
         meta = next(model.parameters()).is_meta
         with torch.device("meta") if meta else contextlib.nullcontext():
             model.add_adapter(config)
+        dtype = torch.bfloat16 if master_weights == "bf16" else torch.float32
         for p in model.parameters():
             if p.requires_grad:
-                p.data = p.data.float()
+                p.data = p.data.to(dtype)
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
@@ -329,7 +343,7 @@ def whole_model(recipe: Recipe, spec: FamilySpec) -> torch.nn.Module:
     the adapters at their seeded initial values. The start of every run without the sharded start, and the serial
     reference runs compare with (tests/harness.py `first_step`)."""
     model = load_transformer(recipe.model, spec, seed=recipe.train.seed)
-    apply_finetune(model, recipe.finetune, spec)
+    apply_finetune(model, recipe.finetune, spec, recipe.train.master_weights)
     with torch.no_grad():
         for name, value in lora_init(model, seed=recipe.train.seed).items():
             model.get_parameter(name).copy_(value)
@@ -344,7 +358,7 @@ def build_model(
     cfg, t, sharded = recipe.model, recipe.train, recipe.model.sharded_load and recipe.parallel.fsdp
     if sharded:
         model = meta_transformer(cfg, spec)
-        apply_finetune(model, recipe.finetune, spec)
+        apply_finetune(model, recipe.finetune, spec, recipe.train.master_weights)
         lora = lora_init(model, seed=t.seed)
     else:  # whole on every rank, adapters set: parallelize checks every rank holds the same
         model, lora = whole_model(recipe, spec).to(device), {}
@@ -369,7 +383,7 @@ def build_model(
             if dist.get_rank() == 0:
                 base = _random_init(cfg, spec, seed=t.seed)
                 if recipe.finetune.method == "full":
-                    base.to(torch.float32)
+                    cast_master(base, t.master_weights)
                 full = {**base.state_dict(), **lora}
             names = {_base_key(n): n for n in model.state_dict()}
             _set_full(model, {names.get(k, k): v for k, v in full.items()}, broadcast=True)

@@ -37,6 +37,8 @@ RULES: dict[str, str] = {
     "train.batch_size": SAME,
     "train.grad_accum": SAME,
     "train.seed": SAME,
+    "train.optimizer": SAME,  # another optimizer's state (quantized or not) cannot be restored into this one's
+    "train.master_weights": SAME,
     "train.lr": SCHEDULE,
     "train.lr_schedule": SCHEDULE,
     "train.warmup_steps": SCHEDULE,
