@@ -83,10 +83,12 @@ def launch_command(
     extra: Iterable[str] = (),
 ) -> list[str]:
     """The trainer's command line: `python -m train.launch` with accelerate's arguments, the recipe, `--set`s. wandb is
-    off and the progress bar too unless an override says otherwise (later `--set`s win)."""
+    off and the progress bar too unless an override says otherwise (later `--set`s win). Each launch gets a free port
+    of its own: launches started at the same moment (the early scenarios) otherwise race for accelerate's default
+    29500, and the one that loses exits before starting its ranks."""
     sets = [*([f"output_dir={out}"] if out is not None else []), *QUIET, *overrides]
     return [sys.executable, "-m", "train.launch", "--config_file", CPU_CONFIG, "--num_processes", str(nproc),
-            "train/finetune.py",
+            "--main_process_port", str(spawning._free_port()), "train/finetune.py",
             "--recipe", str(recipe), *[a for s in sets for a in ("--set", s)], *(["--resume"] if resume else []),
             *extra]  # fmt: skip
 

@@ -131,3 +131,43 @@ def test_startup_check_refuses_warns_and_passes(tmp_path):
     assert warned.startswith("warning:")
     inside = {**tight, "device_memory_gib": peak / (1 + est.REFUSE_MARGIN / 2)}  # over, but inside the error band
     assert not est.startup_check(recipe_from_dict({**data, "parallel": inside}), 4, cpu).startswith("warning")
+
+
+def test_gpu_terms_communicators_presets_and_margin(capsys) -> None:
+    """On CUDA the estimate adds what no CPU measurement sees (train/estimate.py's constants and their sources): the
+    CUDA context, NCCL's buffers per communicator the layout creates, the caching allocator's reserve; `--gpu-memory`
+    takes a GPU's name; the verdict names its margin."""
+    from train.config import load_recipe
+
+    def layout(*sets: str):
+        return load_recipe("recipes/qwenimage/20b_full.yaml", sets)
+
+    gpu, cpu = est.estimate(layout(), 16, "cuda"), est.estimate(layout(), 16, "cpu")
+    assert gpu.components["CUDA context + cuBLAS/cuDNN"] == est.CUDA_CONTEXT
+    assert gpu.components["NCCL buffers (3 communicators)"] == 3 * est.NCCL_PER_COMMUNICATOR  # world, FSDP, CP
+    assert not any("NCCL" in k or "CUDA" in k or "allocator" in k for k in cpu.components)
+    tensors = (gpu.peak - est.CUDA_CONTEXT - 3 * est.NCCL_PER_COMMUNICATOR) / (1 + est.ALLOCATOR_RESERVE)
+    assert gpu.components["caching allocator reserve (12%)"] == pytest.approx(est.ALLOCATOR_RESERVE * tensors)
+    assert est._communicators(layout("parallel.cp=1", "parallel.dp_shard=1"), 1) == 1  # one GPU: the world's only
+    ring = layout("parallel.cp=4", "parallel.cp_ring=2", "parallel.dp_replicate=2", "parallel.dp_shard=2")
+    assert est._communicators(ring, 16) == 5  # world, FSDP, CP, ring, replicas
+    assert (est.parse_gib("h200"), est.parse_gib("RTX4090"), est.parse_gib("80GB")) == (141.0, 24.0, 80e9 / 2**30)
+    with pytest.raises(ValueError, match="h100"):
+        est.parse_gib("a200")
+    est.main(["--recipe", "recipes/qwenimage/20b_full.yaml", "--gpus", "16", "--gpu-memory", "h100"])
+    verdict = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("verdict"))
+    assert f"{gpu.peak / est.GIB:.1f} of 80.0 GiB per GPU; margin {80 - gpu.peak / est.GIB:.1f} GiB" in verdict
+
+
+def test_the_suggestion_tries_the_optimizer_levers_for_full_fine_tuning_cheapest_first() -> None:
+    """A full fine-tune over the device is told 8-bit moments first (no compute, ~1e-4 loss drift); LoRA never."""
+    from train.config import load_recipe
+
+    full = load_recipe("recipes/qwenimage/20b_full.yaml")
+    fp32 = est.estimate(full, 16, "cuda").peak / est.GIB
+    eight = est.estimate(load_recipe("recipes/qwenimage/20b_full.yaml", ["train.optimizer=adamw_8bit"]), 16, "cuda")
+    assert eight.peak / est.GIB < 0.6 * fp32  # the moments were a third of the peak, now 1/4 of that
+    said = est.suggest(full, 16, (fp32 + eight.peak / est.GIB) / 2)
+    assert said.startswith("fits with --set train.optimizer=adamw_8bit"), said
+    lora = load_recipe("recipes/qwenimage/20b_lora.yaml")
+    assert "train.optimizer" not in est.suggest(lora, 8, 0.5 * est.estimate(lora, 8, "cuda").peak / est.GIB)

@@ -194,7 +194,11 @@ def _launched_ranks(root: Path, name: str, started: list) -> tuple[subprocess.Po
     job = start(root / name, log)
     started.append(job)
     launcher = psutil.Process(job.pid)
-    wait_until(lambda: len(launcher.children(recursive=True)) >= 2, "the launcher's 2 ranks", 120)
+    try:
+        wait_until(lambda: len(launcher.children(recursive=True)) >= 2, "the launcher's 2 ranks", 120,
+                   alive=lambda: job.poll() is None)  # fmt: skip
+    except AssertionError as e:  # a launcher that exited at once: why, from its log
+        raise AssertionError(f"{e} (launcher exit code {job.poll()}):\n{log.read_text()[-3000:]}") from None
     ranks = launcher.children(recursive=True)
     started += ranks
     return job, log, ranks

@@ -498,6 +498,32 @@ class Estimate:
         return "\n".join(lines)
 
 
+# What a GPU needs beyond the step's tensors, which no CPU measurement sees (CUDA only), each a constant and its source:
+# - the CUDA context (driver, lazily loaded kernels: ~300 MB since CUDA 11.7, pytorch/pytorch#107667; nvidia-smi
+#   showed 0.2-0.7 GB for it, #28113 and #37250) plus cuBLAS / cuDNN handles and workspaces: 0.5 GiB per process;
+# - NCCL's buffers per communicator: NCCL_BUFFSIZE (4 MiB by default) for each channel's send and receive
+#   connection, ~16 channels on an NVLink node: 0.125 GiB per communicator the step uses (world, FSDP, CP and the
+#   ring or replica groups where they exist), created at its first collective;
+# - the caching allocator's reserve and fragmentation: reserved over allocated at the peak was 1.11 in
+#   pytorch/pytorch#40989 (16,726 vs 15,006 MB; 19,354 vs 17,402 MB): 12% of the step's tensors.
+CUDA_CONTEXT = 0.5 * GIB
+NCCL_PER_COMMUNICATOR = 0.125 * GIB
+ALLOCATOR_RESERVE = 0.12
+# `--gpu-memory` presets: the usable memory of common GPUs (GiB, as torch.cuda reports the total).
+GPU_PRESETS = {
+    "rtx3090": 24.0, "rtx4090": 24.0, "a10": 24.0, "l4": 24.0, "a100-40": 40.0, "a6000": 48.0, "l40s": 48.0,
+    "a100": 80.0, "a100-80": 80.0, "h100": 80.0, "h800": 80.0, "rtx-pro-6000": 96.0, "h100-nvl": 94.0,
+    "h200": 141.0, "b200": 180.0,
+}  # fmt: skip
+
+
+def _communicators(recipe: Recipe, world_size: int) -> int:
+    """NCCL communicators a step uses: the world's (loss, flags), FSDP's, CP's, the ring's and the replicas'."""
+    p = recipe.parallel
+    rep, shard, cp = p.resolve(world_size)
+    return 1 + (p.fsdp and shard * cp > 1) + (cp > 1) + (p.cp_ring > 1) + (rep > 1)
+
+
 def _precision(recipe: Recipe, device_type: str) -> str:
     """The activation precision of the step: bf16 when the blocks compute in bf16 (FSDP's param_dtype on CUDA under
     mixed precision, or bf16 autocast), else fp32."""
@@ -567,6 +593,14 @@ def estimate(recipe: Recipe, world_size: int, device_type: str = "cuda", shape: 
     fwd_bwd = sum(c.values()) - c["gradients"]
     peak = max(fwd_bwd, step + opt_temp)
     first = max(fwd_bwd - c["optimizer state (AdamW)"], step + opt_temp)
+    if cuda:  # what the device holds beyond the tensors (constants above)
+        k = _communicators(recipe, world_size)
+        base = {"CUDA context + cuBLAS/cuDNN": CUDA_CONTEXT,
+                f"NCCL buffers ({k} communicators)": k * NCCL_PER_COMMUNICATOR}  # fmt: skip
+        c[f"caching allocator reserve ({ALLOCATOR_RESERVE:.0%})"] = ALLOCATOR_RESERVE * peak
+        c.update(base)
+        peak = peak * (1 + ALLOCATOR_RESERVE) + sum(base.values())
+        first = first * (1 + ALLOCATOR_RESERVE) + sum(base.values())
     # Ulysses per block and pass (forward, backward, recompute): q, k, v in and out back, (cp - 1)/cp of each leaves
     passes = 2 + recomputed / max(shape.n_blocks, 1)
     a2a = 4 * b * n * inner * elem * (cp - 1) / cp * shape.n_blocks * passes * t.grad_accum
@@ -580,10 +614,12 @@ def estimate(recipe: Recipe, world_size: int, device_type: str = "cuda", shape: 
 
 
 def parse_gib(text: str) -> float:
-    """'80GiB', '80GB' (10^9 bytes), '80' (GiB) -> GiB."""
+    """'80GiB', '80GB' (10^9 bytes), '80' (GiB), or a GPU_PRESETS name ('h100', 'rtx4090') -> GiB."""
+    if text.strip().lower() in GPU_PRESETS:
+        return GPU_PRESETS[text.strip().lower()]
     m = re.fullmatch(r"\s*([\d.]+)\s*(gib|gb|g)?\s*", text.lower())
     if not m:
-        raise UserError(f"--gpu-memory {text!r}: expected e.g. 80GiB or 80GB")
+        raise UserError(f"--gpu-memory {text!r}: expected e.g. 80GiB or 80GB, or one of {', '.join(GPU_PRESETS)}")
     value = float(m.group(1))
     return value * 1e9 / GIB if m.group(2) == "gb" else value
 
@@ -696,7 +732,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_recipe_args(parser)
     parser.add_argument("--gpus", type=int, default=None,
                         help="world size (default: cp × dp_replicate × dp_shard; dp_shard -1 counts 1)")  # fmt: skip
-    parser.add_argument("--gpu-memory", default="80GiB", help="memory per GPU, e.g. 80GiB, 141GB (default 80GiB)")
+    parser.add_argument("--gpu-memory", default="80GiB", help="memory per GPU, e.g. 80GiB, 141GB, or a GPU: "
+                        f"{', '.join(GPU_PRESETS)} (default 80GiB)")  # fmt: skip
     parser.add_argument("--calibrate", action="store_true", help="re-measure the families' activation calibration")
     args = parser.parse_args(argv)
     recipe = recipe_from_args(args)
@@ -706,7 +743,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     e = estimate(recipe, gpus, "cuda")
     print(e.table(gib))
     fits = e.peak <= gib * GIB
-    print(f"verdict: {'fits' if fits else 'does NOT fit'} ({e.peak / GIB:.1f} of {gib:.1f} GiB per GPU)")
+    margin = gib - e.peak / GIB
+    said = f"{'margin' if fits else 'over by'} {abs(margin):.1f} GiB, {abs(margin) / gib:.0%} of the device"
+    print(f"verdict: {'fits' if fits else 'does NOT fit'} ({e.peak / GIB:.1f} of {gib:.1f} GiB per GPU; {said})")
     if not fits or e.peak > 0.9 * gib * GIB:
         print(f"suggestion: {suggest(recipe, gpus, 0.9 * gib if fits else gib)}")
 
