@@ -34,12 +34,6 @@ if __name__ == "__main__":  # recipe, degree and path errors within a second, be
     from train.errors import quiet_interrupt
 
     hostmem.tune()  # before torch allocates: freed model-size buffers go back to the OS (train/hostmem.py)
-    # torchao (which transformers imports when installed) logs each CUDA kernel library it cannot load on a machine
-    # without one, and torch notes its enums: lines on every rank of every launch that say nothing about the run
-    import logging
-
-    for noisy in ("torchao", "torch.utils._pytree"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
     quiet_interrupt()  # Ctrl-C during the imports and startup: exit 130, no traceback
     preflight(sys.argv[1:])
 

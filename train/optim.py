@@ -34,30 +34,14 @@ def build(params: list[torch.nn.Parameter], optimizer: str, master_weights: str,
     """AdamW over `params` with `hyper` (lr, betas, eps, weight_decay)."""
     if optimizer == "adamw" and master_weights == "fp32":
         return torch.optim.AdamW(params, **hyper)
-    torchao_optim = _import_torchao_optim()
-    cls = getattr(torchao_optim, TORCHAO[optimizer])
+    import torchao.optim  # (its import's log lines are silenced in train/__init__.py)
+
+    cls = getattr(torchao.optim, TORCHAO[optimizer])
     if optimizer in QUANTIZED:
         cls = _fp32_appearance(cls)
     opt = cls(params, **hyper, bf16_stochastic_round=master_weights == "bf16")
     opt.torchao = True  # `step` runs it with AOTAutograd's cache off and its rounding seeded
     return opt
-
-
-def _import_torchao_optim():
-    """torchao.optim, without the lines its import logs on every rank of a machine without its CUDA kernels ("Failed
-    to load ..._C_mxfp8...so") and torch's deprecation notes about its enums."""
-    import importlib
-    import logging
-
-    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-    levels = [log.level for log in loggers]
-    for log in loggers:
-        log.setLevel(logging.ERROR)
-    try:
-        return importlib.import_module("torchao.optim")
-    finally:
-        for log, level in zip(loggers, levels, strict=True):
-            log.setLevel(level)
 
 
 def _fp32_appearance(cls: type) -> type:
