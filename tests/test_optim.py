@@ -2,9 +2,9 @@
 trainer's own step and checkpoint, on 2 gloo ranks (cp 2: FSDP2 shards every tensor over both): bench/optimizers.py's
 `small` case (a 128-wide Wan, full fine-tuning, bf16 autocast in every case, lr 1e-3, 6 steps).
 
-- The loss curve against fp32 AdamW's (same weights, data, noise): within DRIFT, about 5-10× what was measured on
-  this machine (max per-step relative difference over the 6 steps: adamw_8bit 1.7e-4, adamw_4bit 2.3e-3, bf16
-  masters 3.7e-4, bf16 masters + adamw_8bit 2.8e-4), for other CPUs' kernels. 8-bit and 4-bit moments change each
+- The loss curve against fp32 AdamW's (same weights, data, noise): within DRIFT, about 10× what was measured on this
+  machine (max per-step relative difference over the 6 steps: adamw_8bit 2.0e-4, adamw_4bit 1.0e-3, bf16 masters
+  3.0e-4, bf16 masters + adamw_8bit 1.7e-4), for other CPUs' kernels. 8-bit and 4-bit moments change each
   update by their quantization error (up to ~1/255 and ~1/15 of their block's largest value), bf16 masters each
   weight by a rounding of ~2^-9 of it (stochastic, so unbiased: it does not accumulate as round-to-nearest would).
 - Exact resume: the checkpoint of step 3 restored into a freshly built model and optimizer continues bit-identically
