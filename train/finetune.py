@@ -395,7 +395,8 @@ def print_layout(
         "(startup self-check passed)",
         "weights": describe_start(recipe),
         "mixed_precision": f"{recipe.train.mixed_precision}: "
-        + ("bf16 autocast, fp32 master weights" if amp is not None else "fp32"),
+        + (f"bf16 autocast, {recipe.train.master_weights} master weights" if amp is not None else "fp32"),
+        "optimizer": optim.describe(recipe.train.optimizer, recipe.train.master_weights),
         "trainable_parameters": n_trainable,
     }
     if dist.get_rank() == 0:

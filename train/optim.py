@@ -44,6 +44,16 @@ def build(params: list[torch.nn.Parameter], optimizer: str, master_weights: str,
     return opt
 
 
+def describe(optimizer: str, master_weights: str) -> str:
+    """One line for the run's layout print."""
+    if optimizer == "adamw" and master_weights == "fp32":
+        return "torch AdamW, fp32 moments"
+    moments = {"adamw": f"{master_weights} moments", "adamw_8bit": "8-bit moments", "adamw_4bit": "4-bit moments"}
+    rounding = ", stochastic rounding to bf16" if master_weights == "bf16" else ""
+    return (f"torchao {TORCHAO[optimizer]}, {moments[optimizer]}{rounding} (its first step compiles one graph per "
+            "parameter shape: tens of seconds, seconds once inductor's cache holds them)")  # fmt: skip
+
+
 def _fp32_appearance(cls: type) -> type:
     """torchao's quantized AdamW whose state tensors present themselves as fp32 whatever the weights' dtype. torchao
     0.18 gives them the weight's dtype, but its `view` (which `DTensor.from_local` calls) and its collectives return
