@@ -31,6 +31,9 @@ LEVERS = {
     "adamw_4bit": ["train.optimizer=adamw_4bit"],
     "bf16 masters": ["train.master_weights=bf16"],
     "bf16 masters + adamw_8bit": ["train.master_weights=bf16", "train.optimizer=adamw_8bit"],
+    # FSDP2's CPUOffloadPolicy: on a GPU the shards, gradients and AdamW state move to host memory; on this CPU-only
+    # machine they are there already, so its figures must equal adamw's exactly (the GPU script measures the move)
+    "cpu offload": ["parallel.cpu_offload=true"],
 }
 # The test's model: 128 wide (4 heads × 32) with text, ffn and timestep widths 128 too, 2 blocks, 0.50 M parameters:
 # its linears' shards hold ≥ 4096 values, so torchao quantizes their moments, and it has 9 distinct parameter shapes

@@ -1,12 +1,14 @@
 """Peak resident memory per rank of a real training launch, as a fraction of the bf16 model: sharded start vs every
 rank loading the whole model.
 
-    python -m bench.startup_memory [--layers 30] [--method lora] [--nproc 4] [--short] [--sharded-only] [--json F]
+    python -m bench.startup_memory [--layers 30] [--method lora] [--nproc 4] [--short] [--sharded-only] [--fp8]
+                                   [--json F]
 
 A pretrained Wan2.1-T2V-1.3B transformer (its real config: 30 blocks of 12 heads × 128, ffn 8960, text_dim 4096;
 random weights; `--layers` changes the block count) is written once as a local bf16 folder; `train/finetune.py`
 then runs through `python -m train.launch` on 4 CPU processes (cp 2 × dp_shard 2) for one step at a short sequence (so
-the weights dominate), once per loading path.
+the weights dominate), once per loading path; `--fp8` adds the sharded start with the LoRA base in float8
+(`finetune.fp8_base`: each rank reads its bf16 slices block by block and keeps their codes).
 Measured: the largest descendant's peak RSS (`getrusage(RUSAGE_CHILDREN)` of a fresh parent process), minus the
 same launch of the tiny recipe (imports, process group, allocator: ~0.4-0.5 GiB per rank). Nothing is set in the
 environment: the launches run as a user's do (the trainer tunes glibc's malloc itself, train/hostmem.py).
@@ -87,18 +89,26 @@ def launch_peak(out_dir: Path, nproc: int, recipe: str, *overrides: str) -> int:
     return int(proc.stdout.strip().splitlines()[-1])
 
 
-def mid_overrides(folder: Path, method: str, sharded: bool, cp: int = 2, shapes: str = SHAPES) -> list[str]:
+# Loading paths: the result's key -> (model.sharded_load, finetune.fp8_base)
+PATHS = {"sharded": (True, False), "whole": (False, False), "sharded_fp8": (True, True)}
+
+
+def mid_overrides(
+    folder: Path, method: str, sharded: bool, cp: int = 2, shapes: str = SHAPES, fp8: bool = False
+) -> list[str]:
     """The tiny Wan recipe pointed at the mid-size folder: one step of one sample of `shapes`."""
     return [f"model.pretrained_path={folder}", "model.init_config=null", "model.dtype=bfloat16",
             f"model.sharded_load={str(sharded).lower()}", f"parallel.cp={cp}", "train.max_steps=1",
             "train.batch_size=1", "train.mixed_precision=bf16", f"finetune.method={method}", "checkpoint.export=none",
-            f"data.synthetic.shapes={shapes}"]  # fmt: skip
+            f"data.synthetic.shapes={shapes}", f"finetune.fp8_base={str(fp8).lower()}"]  # fmt: skip
 
 
 def measure(
-    work: Path, layers: int, method: str, nproc: int, paths: tuple[bool, ...] = (True, False), shapes: str = SHAPES
-) -> dict:
-    """Peak RSS per rank − the tiny launch's, as a fraction of the bf16 model, for each loading path in `paths`.
+    work: Path, layers: int, method: str, nproc: int, paths: tuple[str, ...] = ("sharded", "whole"),
+    shapes: str = SHAPES,
+) -> dict:  # fmt: skip
+    """Peak RSS per rank − the tiny launch's, as a fraction of the bf16 model, for each loading path in `paths`
+    (keys of PATHS).
 
     `shapes`: the measured step's sample. On a CPU without bf16 matmul instructions (AVX2), the backward through the
     frozen bf16 linears (grad_input = grad @ W) runs a scalar gemm ~20-30x slower than the forward and linear in the
@@ -112,10 +122,11 @@ def measure(
         model_bytes = build_mid_folder(folder, layers)
         base = baseline.result()
     result = {"model_bytes": model_bytes, "baseline_bytes": base, "layers": layers, "method": method, "nproc": nproc}
-    for sharded in paths:
-        peak = launch_peak(work / f"run_{sharded}", nproc, "recipes/tiny/wan.yaml",
-                           *mid_overrides(folder, method, sharded, shapes=shapes))  # fmt: skip
-        result["sharded" if sharded else "whole"] = (peak - base) / model_bytes
+    for path in paths:
+        sharded, fp8 = PATHS[path]
+        peak = launch_peak(work / f"run_{path}", nproc, "recipes/tiny/wan.yaml",
+                           *mid_overrides(folder, method, sharded, shapes=shapes, fp8=fp8))  # fmt: skip
+        result[path] = (peak - base) / model_bytes
     return result
 
 
@@ -126,9 +137,11 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--short", action="store_true", help="the 2-token step (SHORT_SHAPES: ~2 min less on AVX2)")
     parser.add_argument("--sharded-only", action="store_true", help="measure the sharded start only")
+    parser.add_argument("--fp8", action="store_true", help="also the sharded start with finetune.fp8_base (LoRA)")
     parser.add_argument("--json", type=Path, help="also write the result to this file")
     args = parser.parse_args()
-    paths, shapes = (True,) if args.sharded_only else (True, False), SHORT_SHAPES if args.short else SHAPES
+    paths = ("sharded",) + ("whole",) * (not args.sharded_only) + ("sharded_fp8",) * args.fp8
+    shapes = SHORT_SHAPES if args.short else SHAPES
     with tempfile.TemporaryDirectory() as tmp:
         r = measure(Path(tmp), args.layers, args.method, args.nproc, paths=paths, shapes=shapes)
     if args.json:
@@ -141,6 +154,8 @@ def main() -> None:
     print(f"| sharded start (model.sharded_load: true) | {r['sharded']:.2f} |")
     if "whole" in r:
         print(f"| whole model on every rank (model.sharded_load: false) | {r['whole']:.2f} |")
+    if "sharded_fp8" in r:
+        print(f"| sharded start, frozen base in float8 (finetune.fp8_base: true) | {r['sharded_fp8']:.2f} |")
 
 
 if __name__ == "__main__":

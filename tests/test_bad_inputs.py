@@ -108,6 +108,25 @@ CASES = [
         words=("train.master_weights", "mixed_precision is no", "train.mixed_precision: bf16"),
     ),
     trainer(
+        "fp8_base_with_full",
+        "finetune.method=full",
+        "finetune.fp8_base=true",
+        "checkpoint.export=auto",
+        words=("finetune.fp8_base", "FROZEN weights in float8", "method: lora with fp8_base"),
+    ),
+    trainer(
+        "fp8_base_full_export",
+        "finetune.fp8_base=true",
+        "checkpoint.export=full",
+        words=("checkpoint.export", "float8-rounded base", "use export lora"),
+    ),
+    trainer(
+        "cpu_offload_without_fsdp",
+        "parallel.cpu_offload=true",
+        "parallel.fsdp=false",
+        words=("parallel.cpu_offload", "fsdp is false", "parallel.fsdp: true"),
+    ),
+    trainer(
         "export_lora_with_full",
         "finetune.method=full",
         "checkpoint.export=lora",

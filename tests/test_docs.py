@@ -19,7 +19,7 @@ def test_recipe_reference_is_current() -> None:
 
     text = recipe_docs.render()
     assert (DOCS / "recipes.md").read_text() == text, "docs/recipes.md is stale: run python -m train.recipe_docs"
-    rows = re.findall(r"^\| `([a-z_.]+)` \|", text, flags=re.M)
+    rows = re.findall(r"^\| `([a-z0-9_.]+)` \|", text, flags=re.M)
 
     def keys(model, prefix=""):  # every dotted key of the schema, sections included
         from train.config import _section_of

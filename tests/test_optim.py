@@ -1,6 +1,7 @@
 """The optimizer levers (`train.optimizer`, `train.master_weights`; train/optim.py) under FSDP2 and CP, through the
 trainer's own step and checkpoint, on 2 gloo ranks (cp 2: FSDP2 shards every tensor over both): bench/optimizers.py's
-`small` case (a 128-wide Wan, full fine-tuning, bf16 autocast in every case, lr 1e-3, 6 steps).
+`small` case (a 128-wide Wan, full fine-tuning, bf16 autocast in every case, lr 1e-3, 6 steps). FSDP2's CPU offload
+(`parallel.cpu_offload`) runs beside them: a no-op move on this CPU-only machine, so it must train exactly as adamw.
 
 - The loss curve against fp32 AdamW's (same weights, data, noise): within DRIFT, about 10× what was measured on this
   machine (max per-step relative difference over the 6 steps: adamw_8bit 2.0e-4, adamw_4bit 1.0e-3, bf16 masters
@@ -26,7 +27,8 @@ from tests.harness import rank_job
 
 SAVE_AT = 3
 DRIFT = {"adamw_8bit": 2e-3, "adamw_4bit": 1e-2, "bf16 masters": 5e-3, "bf16 masters + adamw_8bit": 5e-3}
-BYTES_PER_PARAM = {"adamw": 16, "adamw_8bit": 10, "adamw_4bit": 9, "bf16 masters": 8, "bf16 masters + adamw_8bit": 6}
+BYTES_PER_PARAM = {"adamw": 16, "adamw_8bit": 10, "adamw_4bit": 9, "bf16 masters": 8, "bf16 masters + adamw_8bit": 6,
+                   "cpu offload": 16}  # fmt: skip
 
 rank_job(2)(small)
 
@@ -56,3 +58,13 @@ def test_lever_loss_curve_stays_near_fp32_adamw(levers: list[dict], name: str) -
     print(f"{name}: max relative loss difference vs fp32 AdamW over {len(ref['loss'])} steps {drift(got, ref):.2e}")
     assert got["loss"] != ref["loss"]  # the lever is in force: a quantized or rounded update differs
     assert drift(got, ref) <= DRIFT[name], (name, got["loss"], ref["loss"])
+
+
+def test_cpu_offload_trains_as_without_it(levers: list[dict]) -> None:
+    """FSDP2's CPUOffloadPolicy in place (shards, gradients, state and the optimizer step in host memory): on a
+    CPU-only machine nothing moves, so every figure equals fp32 AdamW's bit for bit; its checkpoint resumes exactly
+    (the test above). What it frees on a GPU is train.estimate's (tests/test_estimate.py) and bench/gpu_h200.py's."""
+    for cases in levers:
+        ref, got = cases["adamw"], cases["cpu offload"]
+        assert got["loss"] == ref["loss"] and got["grad_norm"] == ref["grad_norm"], (got, ref)
+        assert got["state"] == ref["state"] and got["weights"] == ref["weights"]

@@ -210,6 +210,18 @@ class ParallelConfig(Section):
     timeout and the hang watchdog); long enough for a checkpoint save or a first compile."""
     cp_transport: Literal["torch", "symm_mem"] = "torch"
     """CP all-to-all transport: torch (all_to_all_single) or symm_mem (intra-node CUDA, self-tested, else torch)."""
+    cpu_offload: bool = False
+    """FSDP2 CPU offload (CPUOffloadPolicy): the sharded parameters, gradients and optimizer state live in pinned host
+    memory, each block's shards are copied to the GPU for its all-gather, and the optimizer steps on the CPU. Frees
+    the GPU of everything but the gathered blocks and activations, at the cost of host-device copies and a CPU
+    optimizer step. Needs fsdp; on a CPU-only machine the state is in host memory already (no effect)."""
+
+    @model_validator(mode="after")
+    def _offload(self) -> ParallelConfig:
+        if self.cpu_offload and not self.fsdp:
+            report([("cpu_offload", "offloads FSDP2's sharded state, and fsdp is false; set parallel.fsdp: true, or "
+                     "cpu_offload: false")])  # fmt: skip
+        return self
 
     def resolve(self, world_size: int) -> tuple[int, int, int]:
         """(dp_replicate, dp_shard, cp) for `world_size` ranks, with dp_shard = -1 filled in.
@@ -327,6 +339,11 @@ class FinetuneConfig(Section):
     """Dropout on the LoRA input, in [0, 1)."""
     lora_targets: list[str] | None = None
     """Module names (peft target_modules) that get adapters; null = the family's default targets."""
+    fp8_base: bool = False
+    """LoRA: store the frozen linear weights of the transformer blocks in float8 e4m3 with one power-of-two scale per
+    output channel (train/fp8.py), upcast one matmul at a time: those weights take 1 byte per value instead of 2 (bf16),
+    sharded and gathered as bytes; the sharded start quantizes each rank's bf16 slice as it reads it. Embedders, norms
+    and the output projection stay in model.dtype; the exported LoRA loads on the bf16 base."""
 
     @model_validator(mode="after")
     def _lora(self) -> FinetuneConfig:
@@ -342,6 +359,14 @@ class FinetuneConfig(Section):
         if self.lora_targets is not None and not self.lora_targets:
             problems.append(("lora_targets", "is empty; list module names, or null for the family's defaults"))
         report(problems)
+        return self
+
+    @model_validator(mode="after")
+    def _fp8(self) -> FinetuneConfig:
+        if self.fp8_base and self.method != "lora":
+            report([("fp8_base", "stores the FROZEN weights in float8, and finetune.method full trains every weight; "
+                     "use method: lora with fp8_base, or fp8_base: false (for full fine-tuning's memory see "
+                     "train.optimizer and train.master_weights)")])  # fmt: skip
         return self
 
 
@@ -513,6 +538,9 @@ class Recipe(Section):
     def _export(self) -> Recipe:
         if self.checkpoint.export == "lora" and self.finetune.method != "lora":
             report([("checkpoint.export", "is lora but finetune.method is full; use auto or full")])
+        if self.checkpoint.export == "full" and self.finetune.fp8_base:
+            report([("checkpoint.export", "is full, which would merge the adapters into the float8-rounded base "
+                     "(finetune.fp8_base): use export lora (or auto) and load it on the bf16 base")])  # fmt: skip
         return self
 
 

@@ -63,7 +63,7 @@ from train.data.batches import Batches, build_dataset, check_text_lengths, make_
 from train.errors import EXIT_CODE, UserError, peer_reported, quiet_interrupt, report
 from train.estimate import startup_check
 from train.export import ExportFailed, export_full, export_lora
-from train.metrics import MetricsLogger, peak_memory_bytes
+from train.metrics import MetricsLogger, device_memory, peak_memory_bytes
 from train.modeling import build_model, check_model, describe_start, family_spec
 from train.models import cache_reads
 from train.models.spec import FamilySpec
@@ -87,6 +87,8 @@ def init_processes(recipe: Recipe):
 
     use_gpu = torch.cuda.is_available()
     backend = "nccl" if use_gpu else "gloo"
+    if use_gpu and recipe.parallel.cpu_offload:  # FSDP2's offloaded gradients are clipped (reduced) on the CPU
+        backend = "cuda:nccl,cpu:gloo"
     if runtime.launcher_env():
         runtime.init_process_group(backend, recipe.parallel.timeout_s)
     wandb = recipe.logging.wandb_mode != "disabled"
@@ -219,8 +221,8 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     # group processes its own micro-batches, the CP ranks of a group share them.
     return {"step": step + 1, "loss": loss_sum.item(), "grad_norm": grad_norm.item(),
             "lr": lr, "transformer_tokens_per_s": tokens * dims.dp / dt,
-            "step_time_s": dt, "peak_mem_bytes": peak_memory_bytes(tr.device), "skipped": not finite,
-            "bad_steps": tr.bad.total}  # fmt: skip
+            "step_time_s": dt, "peak_mem_bytes": peak_memory_bytes(tr.device), **device_memory(tr.device),
+            "skipped": not finite, "bad_steps": tr.bad.total}  # fmt: skip
 
 
 def bad_steps_error(streak: list[BadStep], ended: bool = False) -> UserError:

@@ -15,6 +15,18 @@ from typing import Any
 import torch
 
 
+def device_memory(device: torch.device) -> dict[str, int]:
+    """On a GPU, what the device holds beyond the allocated peak: the caching allocator's reserved peak and its reserve
+    now, and the device's used memory now (total - free: the reserve, the CUDA context and NCCL's buffers included).
+    The step's true peak is `peak_reserved + device_used - reserved`: what must fit, what train.estimate predicts.
+    Nothing on CPU (the peak RSS says it all)."""
+    if device.type != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info(device)
+    return {"peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+            "reserved_bytes": torch.cuda.memory_reserved(device), "device_used_bytes": total - free}  # fmt: skip
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)

@@ -27,13 +27,14 @@ import diffusers
 import torch
 import torch.distributed as dist
 
+from . import fp8
 from .checkpoint import finite
 from .config import FinetuneConfig, ModelConfig, Recipe
 from .cp.enable import check_tokens
 from .errors import UserError
 from .models import get_family, transformer_config
 from .models.spec import FamilySpec
-from .parallel import Mesh, Parallelized, check_replicated, parallelize
+from .parallel import Mesh, Parallelized, check_replicated, parallelize, repeated_blocks
 from .schema import suggest
 
 
@@ -172,8 +173,9 @@ def cast_master(model: torch.nn.Module, master_weights: str) -> None:
 
 def apply_finetune(model: torch.nn.Module, cfg: FinetuneConfig, spec: FamilySpec, master_weights: str) -> list[str]:
     """Full: every parameter trains, in `master_weights` (cast_master). LoRA: the base is frozen, adapters train in
-    fp32 (bf16 with master_weights: bf16). Works on a meta model too (nothing is allocated). Returns the names of the
-    trainable parameters."""
+    fp32 (bf16 with master_weights: bf16); with `fp8_base` the blocks' frozen linear weights become float8 first
+    (train/fp8.py: quantized from their values, or meta on a meta model), then peft wraps them. Works on a meta model
+    too (nothing is allocated). Returns the names of the trainable parameters."""
     if cfg.method == "full":
         cast_master(model, master_weights)
         model.requires_grad_(True)
@@ -181,6 +183,8 @@ def apply_finetune(model: torch.nn.Module, cfg: FinetuneConfig, spec: FamilySpec
         from peft import LoraConfig
 
         model.requires_grad_(False)
+        if cfg.fp8_base:
+            fp8.convert(repeated_blocks(model))
         targets = list(cfg.lora_targets or spec.lora_targets)
         check_lora_targets(model, targets)
         config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
@@ -328,14 +332,31 @@ def check_weights(folder: Path, expected: dict[str, tuple[int, ...]]) -> None:
                          "the weights are of different models")  # fmt: skip
 
 
-def _load_pretrained_shards(model: torch.nn.Module, folder: Path) -> None:
-    """Fill each rank's shard of every pretrained parameter from the safetensors in `folder`, slice by slice."""
+def _load_pretrained_shards(model: torch.nn.Module, folder: Path, dtype: torch.dtype) -> None:
+    """Fill each rank's shard of every pretrained parameter from the safetensors in `folder`, slice by slice. The
+    float8 weights (`finetune.fp8_base`) are read one block at a time into `dtype` shards of their own placement,
+    which this rank quantizes into its codes and scales (its rows: FSDP2 shards dim 0), then drops."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
+    quantized = {_base_key(f"{n}.weight").removesuffix(".weight"): m for n, m in fp8.modules(model).items()}
     state = {_base_key(n): t for n, t in model.state_dict().items() if ".lora_" not in n}
+    scales = {f"{k}.weight_scale" for k in quantized}
+    state = {k: t for k, t in state.items() if k not in scales}  # computed here, not in the checkpoint
     check_weights(folder, {k: tuple(t.shape) for k, t in state.items()})  # a hub download: checked once here
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(folder)))
+    codes = {f"{k}.weight" for k in quantized}
+    dcp.load({k: t for k, t in state.items() if k not in codes}, storage_reader=HuggingFaceStorageReader(str(folder)))
+    for block in dict.fromkeys(k.split(".")[0] + "." + k.split(".")[1] for k in quantized):  # e.g. "blocks.3"
+        layers = {k: m for k, m in quantized.items() if k.startswith(f"{block}.")}
+        staged = {f"{k}.weight": torch.empty_like(m.weight, dtype=dtype) for k, m in layers.items()}
+        dcp.load(staged, storage_reader=HuggingFaceStorageReader(str(folder)))
+        with torch.no_grad():
+            for k, m in layers.items():
+                value = staged.pop(f"{k}.weight")
+                local = value.to_local() if hasattr(value, "to_local") else value
+                q, scale = fp8.quantize(local)
+                for param, v in ((m.weight, q), (m.weight_scale, scale)):
+                    (param.to_local() if hasattr(param, "to_local") else param).copy_(v)
 
 
 def whole_model(recipe: Recipe, spec: FamilySpec) -> torch.nn.Module:
@@ -371,12 +392,12 @@ def build_model(
         checkpoint_every=t.checkpoint_every, offload_activations=t.offload_activations, compile=t.compile,
         fsdp=recipe.parallel.fsdp, reshard_after_forward=recipe.parallel.reshard_after_forward,
         param_dtype=torch.bfloat16 if device.type == "cuda" and t.mixed_precision != "no" else None,
-        cp_transport=recipe.parallel.cp_transport,
+        cp_transport=recipe.parallel.cp_transport, cpu_offload=recipe.parallel.cpu_offload,
     )  # fmt: skip
-    if sharded:
-        materialize(model, device)
+    if sharded:  # FSDP2's offload keeps the shards in host memory: they are allocated there
+        materialize(model, device, params_on=torch.device("cpu") if recipe.parallel.cpu_offload else device)
         if folder is not None:
-            _load_pretrained_shards(model, folder)
+            _load_pretrained_shards(model, folder, getattr(torch, cfg.dtype))
             _set_full(model, lora, broadcast=False)
         else:  # random init: rank 0 draws the whole model exactly as the serial run does, every rank keeps its shard
             full = {}
@@ -384,6 +405,8 @@ def build_model(
                 base = _random_init(cfg, spec, seed=t.seed)
                 if recipe.finetune.method == "full":
                     cast_master(base, t.master_weights)
+                if recipe.finetune.fp8_base:  # rank 0 quantizes the whole draw: every rank keeps its rows' codes
+                    fp8.convert(repeated_blocks(base))
                 full = {**base.state_dict(), **lora}
             names = {_base_key(n): n for n in model.state_dict()}
             _set_full(model, {names.get(k, k): v for k, v in full.items()}, broadcast=True)
@@ -410,14 +433,16 @@ def check_finite_start(model: torch.nn.Module, cfg: ModelConfig) -> None:
                     f"from {source}: that checkpoint is damaged; download or convert it again")  # fmt: skip
 
 
-def materialize(model: torch.nn.Module, device: torch.device) -> None:
-    """Allocate the (sharded) meta parameters on `device`, uninitialised; buffers keep the values their
-    constructors computed (`to_empty` would wipe them too)."""
+def materialize(model: torch.nn.Module, device: torch.device, params_on: torch.device | None = None) -> None:
+    """Allocate the (sharded) meta parameters on `params_on` (default `device`), uninitialised; buffers go to
+    `device` with the values their constructors computed (`to_empty` would wipe them too)."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    model.to_empty(device=device)
+    model.to_empty(device=params_on or device)
     with torch.no_grad():
         for name, value in buffers.items():
-            model.get_buffer(name).copy_(value)
+            module, _, attr = name.rpartition(".")
+            owner = model.get_submodule(module) if module else model
+            owner._buffers[attr] = value.to(device)
 
 
 def _set_full(model: torch.nn.Module, values: dict[str, torch.Tensor], broadcast: bool) -> None:
@@ -433,6 +458,9 @@ def _set_full(model: torch.nn.Module, values: dict[str, torch.Tensor], broadcast
 def describe_start(recipe: Recipe) -> str:
     """One line on how the weights were loaded (for the layout print)."""
     if not (recipe.model.sharded_load and recipe.parallel.fsdp):
-        return "whole model on every rank, then sharded (model.sharded_load false or parallel.fsdp false)"
+        fp8_base = "; the blocks' frozen linear weights in float8 e4m3" * recipe.finetune.fp8_base
+        return f"whole model on every rank, then sharded (model.sharded_load false or parallel.fsdp false){fp8_base}"
     source = "random init on rank 0, broadcast" if recipe.model.init_config is not None else "safetensors slices"
-    return f"sharded start: meta build, FSDP2 shards filled from {source}"
+    fp8_base = "; the blocks' frozen linear weights in float8 e4m3 (quantized per rank)" * recipe.finetune.fp8_base
+    offload = "; FSDP2 CPU offload (shards, gradients, optimizer state in host memory)" * recipe.parallel.cpu_offload
+    return f"sharded start: meta build, FSDP2 shards filled from {source}{fp8_base}{offload}"

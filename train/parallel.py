@@ -160,6 +160,7 @@ def parallelize(
     reshard_after_forward: bool,
     param_dtype: torch.dtype | None,
     cp_transport: str = "torch",
+    cpu_offload: bool = False,
 ) -> Parallelized:
     """Apply, in this order (each step needs the previous one in place):
 
@@ -172,7 +173,8 @@ def parallelize(
        backend op, a custom autograd function) is left out of the graph: a graph break at the attention op.
     4. FSDP2: `fully_shard` each block, then the root, over dp×cp with gradient divide factor dp, so gradients are
        SUMMED over CP (every ring and Ulysses rank) and averaged over DP. Without FSDP, a plain all-reduce over the
-       whole CP group does the same after backward.
+       whole CP group does the same after backward. `cpu_offload`: the shards, their gradients (and so the optimizer
+       state) in host memory, pinned on a GPU machine (FSDP2's CPUOffloadPolicy).
 
     Returns the gradient reduction in force (its self-check has already passed) and the model's CP state (its plan,
     layout registry and transport; None when cp = 1).
@@ -186,12 +188,14 @@ def parallelize(
                             offload=offload_activations, compile=compile)  # fmt: skip
     dp_group = mesh.dp.get_group() if mesh.dims.dp > 1 else None
     if fsdp:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+        policy = dict(mesh=mesh.fsdp, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=offload)
         for block in repeated_blocks(model):
-            fully_shard(block, mesh=mesh.fsdp, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-        fully_shard(model, mesh=mesh.fsdp, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+            fully_shard(block, **policy)
+        fully_shard(model, **policy)
         reduction = GradReduction("fsdp2", mesh.cp_group, dp_group, reduce_mesh=mesh.fsdp)
         reduction.configure_fsdp(model)
     else:
