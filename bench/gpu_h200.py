@@ -1,4 +1,5 @@
-"""Prepared single-H200 benchmark (< 5 minutes): local Ulysses attention cost and a Wan-1.3B-size training step.
+"""Prepared single-H200 benchmark (< 9 minutes): local Ulysses attention cost, a Wan-1.3B-size training step, and the
+real trainer's peak device memory against train.estimate's prediction.
 
 Not runnable on the CPU machines this project is developed on; `--smoke` runs every code path at tiny shapes on CPU
 (or whatever device is present) so the script itself is tested. On the H200: `python -m bench.gpu_h200`.
@@ -32,26 +33,53 @@ with S video tokens, L text tokens, d model dim, f ffn dim, c p = 16 x 4 patch c
 Q/K/V/O, cross-attention Q/O on video and K/V on text, FFN, self- and cross-attention scores + weighted sums, patch
 embedding + output projection, text embedder. Norms, modulation, RoPE and the time embedder are left out (< 1%).
 
-Every case is timed with CUDA events (median of a few repeats after warm-up), catches OOM and any other error (the
-row says so and the next case runs), and nothing new starts after DEADLINE_S seconds. Rows print as they finish.
+Part 4: the real trainer's peak device memory against train.estimate, at the Wan 2.1 1.3B shape. The Part 3 model
+(random init, bf16, built on the GPU) is written once as a local pipeline folder (`transformer/` only); each case
+then launches the trainer as a user does, `python -m train.launch --config_file <1-GPU accelerate config>
+--num_processes 1 train/finetune.py --recipe recipes/wan/1.3b_lora.yaml --set ...`, on synthetic 480p 81-frame data
+(latents (16, 21, 60, 104): 32760 video tokens, 512 text tokens), gradient checkpointing, 3 steps, no checkpoint or
+export: LoRA with adamw, with `finetune.fp8_base`, with `parallel.cpu_offload`; full fine-tuning with adamw (fp32
+masters), bf16 masters, cpu_offload, adamw_8bit, and bf16 masters + adamw_8bit. Per case, from the run's own files:
+predicted = `memory.json`'s predicted_peak_bytes (train.estimate for that exact recipe, layout and device); measured
+true peak = max over the steps of metrics.jsonl's peak_reserved + device_used - reserved (the caching allocator's
+reserved peak plus the CUDA context and NCCL buffers), less what the device held before the launch (`others`: this
+process's CUDA context; device_used counts the whole device); max allocated (max_memory_allocated); their ratio;
+the last step's time; the run's exit (a failed launch: its exit code and the line naming the cause). On CPU
+(`--smoke`: the tiny model, one case) the device fields do not exist and say so ("n/a (CPU)"): only the launch, the
+prediction and the files' reading are exercised.
+
+Every case of Parts 1-3 is timed with CUDA events (median of a few repeats after warm-up), catches OOM and any other
+error (the row says so and the next case runs), and none starts after PARTS_1_3_S seconds; a Part 4 launch runs at
+most CASE_TIMEOUT_S and until DEADLINE_S (then it is killed and the row says so), none starts with less than
+MIN_CASE_S left. Rows print as they finish.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
+import re
+import shutil
 import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-DEADLINE_S = float(os.environ.get("BENCH_DEADLINE_S", 240))
+# The whole script: nothing starts after it, and a trainer launch still running then is killed (< 9 minutes in all).
+DEADLINE_S = float(os.environ.get("BENCH_DEADLINE_S", 510))
+# Parts 1-3 (78 s in all on the H200 of docs/performance.md section 4) start no new case after PARTS_1_3_S, leaving
+# Part 4's trainer launches the rest.
+PARTS_1_3_S = 0.3 * DEADLINE_S
 PEAK_TFLOPS = 989.4  # H200 SXM dense bf16 (no sparsity)
 T0 = time.perf_counter()
 
@@ -86,8 +114,12 @@ def log(msg: str = "") -> None:
     print(msg, flush=True)
 
 
-def out_of_time() -> bool:
-    return time.perf_counter() - T0 > DEADLINE_S
+def elapsed() -> float:
+    return time.perf_counter() - T0
+
+
+def out_of_time(limit_s: float = DEADLINE_S) -> bool:
+    return elapsed() > limit_s
 
 
 def sync(device: torch.device) -> None:
@@ -128,6 +160,14 @@ def is_oom(e: BaseException) -> bool:
 
 def row(cells: list) -> None:
     log("| " + " | ".join(str(c) for c in cells) + " |")
+
+
+def to_bf16(model: torch.nn.Module) -> None:
+    """bf16, except what diffusers keeps in fp32 (norms, RoPE, time embedder), as from_pretrained(torch_dtype=bf16)."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for pname, p in model.named_parameters():
+        if not keep & set(pname.split(".")):
+            p.data = p.data.to(torch.bfloat16)
 
 
 def header(cols: list[str]) -> None:
@@ -205,7 +245,7 @@ def attention_part(device: torch.device, shapes: dict) -> None:
     header(["N", "local q shape", "sdpa ms", "backend op ms", "layout ms (Q/K/V,O,dO,dQ/dK/dV)", "layout GB/s",
             "layout + op ms", "(layout + op) / sdpa", "full fn, 1 rank ms", "full fn / sdpa"])  # fmt: skip
     for N in shapes["degrees"]:
-        if out_of_time():
+        if out_of_time(PARTS_1_3_S):
             row([N, "skipped (time budget)"] + [""] * 8)
             continue
         cells = [N]
@@ -310,11 +350,7 @@ def training_part(device: torch.device, cfg: dict, cases: list, text_tokens: int
     with torch.device(device):
         torch.manual_seed(0)
         model = WanTransformer3DModel(**cfg).train()
-    # bf16, except what diffusers keeps in fp32 (norms, RoPE, time embedder), as from_pretrained(torch_dtype=bf16).
-    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
-    for pname, p in model.named_parameters():
-        if not keep & set(pname.split(".")):
-            p.data = p.data.to(torch.bfloat16)
+    to_bf16(model)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"{n_params / 1e9:.3f} B parameters; MFU vs {PEAK_TFLOPS} TFLOP/s; FLOPs = 3 x forward (see docstring)\n")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
@@ -323,7 +359,7 @@ def training_part(device: torch.device, cfg: dict, cases: list, text_tokens: int
     for label, frames, height, width, ckpt, compile in cases:
         S = frames * (height // 2) * (width // 2)
         cells = [label, f"({frames}, {height}, {width})", S, "on" if ckpt else "off", "on" if compile else "off"]
-        if out_of_time():
+        if out_of_time(PARTS_1_3_S):
             row(cells + ["skipped (time budget)"] + [""] * 5)
             continue
         try:
@@ -409,6 +445,248 @@ def backends_part(device: torch.device, cfg: dict, smoke: bool) -> None:
     model.set_attention_backend("native")
 
 
+# Part 4: the real trainer's peak memory vs train.estimate --------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+TRAINER_RECIPE = "recipes/wan/1.3b_lora.yaml"
+TRAINER_STEPS = 3
+CASE_TIMEOUT_S = 180  # one launch: imports, the sharded load, 3 steps (torchao's first step compiles for tens of s)
+MIN_CASE_S = 60  # fewer seconds than this left before DEADLINE_S: the case is skipped rather than started and killed
+_FULL = ("finetune.method=full",)
+_BF16 = ("train.master_weights=bf16", "train.mixed_precision=bf16")
+# (case, --set overrides on top of `_common_sets`): LoRA and full fine-tuning with each memory lever. torchao's cases
+# last: their first step compiles (tens of seconds), so a short time budget drops them first.
+MEMORY_CASES = [
+    ("LoRA, adamw", ()),
+    ("LoRA, fp8_base", ("finetune.fp8_base=true",)),
+    ("LoRA, cpu_offload", ("parallel.cpu_offload=true",)),
+    ("full, adamw (fp32 masters)", _FULL),
+    ("full, bf16 masters", (*_FULL, *_BF16)),
+    ("full, cpu_offload", (*_FULL, "parallel.cpu_offload=true")),
+    ("full, adamw_8bit", (*_FULL, "train.optimizer=adamw_8bit")),
+    ("full, bf16 masters + adamw_8bit", (*_FULL, *_BF16, "train.optimizer=adamw_8bit")),
+]
+# One launch (~15 s on 2 cores): the launch, memory.json and metrics.jsonl read back, the fp8 base's quantized start
+# (full fine-tuning and every lever train on CPU in tests/test_optim.py, tests/test_fp8.py and tests/test_finetune.py).
+SMOKE_MEMORY_CASES = [c for c in MEMORY_CASES if c[0] == "LoRA, fp8_base"]
+# Per-sample synthetic shapes: latents (C, F, H, W) and prompt embeddings (L, text_dim). 480p, 81 frames: 32760 video
+# tokens (what train.estimate reads too: the synthetic shapes' tokens).
+MEMORY_SHAPES = dict(latents=[16, 21, 60, 104], prompt_embeds=[TEXT_TOKENS, WAN_1_3B["text_dim"]])
+SMOKE_MEMORY_SHAPES = dict(latents=[16, 2, 8, 8], prompt_embeds=[SMOKE_TEXT_TOKENS, SMOKE_WAN["text_dim"]])
+# What a launcher puts in its ranks' environment: dropped from the trainer launches' (the smoke test runs this script
+# as a forked rank, and Part 1 sets MASTER_* for its own group), so each launch is a fresh job of its own.
+LAUNCHER_KEYS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                 "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "CTXTRAIN_LAUNCHER_PID")  # fmt: skip
+LAUNCHER_PREFIXES = ("ACCELERATE_", "TORCHELASTIC_")
+# One GPU process through torchrun, as configs/accelerate/cpu.yaml with --num_processes 1 (a MULTI_GPU config with
+# a single gpu_id is refused by accelerate: `all`, and the process uses cuda:0 of what CUDA_VISIBLE_DEVICES shows).
+GPU_ACCELERATE_CONFIG = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: MULTI_GPU
+num_machines: 1
+num_processes: 1
+machine_rank: 0
+main_training_function: main
+mixed_precision: 'no'
+rdzv_backend: static
+same_network: true
+gpu_ids: all
+"""
+
+
+def gib(n: float | None) -> str:
+    return "—" if n is None else f"{n / 2**30:.2f}" if n >= 2**30 else f"{n / 2**30:.3g}"
+
+
+def write_pipeline(folder: Path, cfg: dict, device: torch.device) -> int:
+    """A local pipeline folder holding only `transformer/` (what the trainer reads with model.subfolder): a random-init
+    WanTransformer3DModel of `cfg`, bf16 (fp32 where diffusers keeps it), built on `device` (quick on a GPU), then
+    freed. Its parameter count."""
+    from diffusers import WanTransformer3DModel
+
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = WanTransformer3DModel(**cfg)
+    to_bf16(model)
+    n = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(folder / "transformer")
+    del model
+    free(device)
+    return n
+
+
+def _common_sets(out: Path, pipeline: Path, shapes: dict) -> list[str]:
+    synthetic = (f"{{num_samples: 4, shapes: {{latents: {shapes['latents']}, "
+                 f"prompt_embeds: {shapes['prompt_embeds']}}}}}")  # fmt: skip
+    return [f"output_dir={out}", f"model.pretrained_path={pipeline}", "model.init_config=null", "parallel.cp=1",
+            "parallel.dp_shard=1", "parallel.memory_check=off", f"train.max_steps={TRAINER_STEPS}",
+            "checkpoint.every_n_steps=0", "checkpoint.export=none", "logging.wandb_mode=disabled",
+            "logging.progress_bar=false", "logging.every_n_steps=1", "train.gradient_checkpointing=true",
+            "data.cache_dir=null", f"data.synthetic={synthetic}"]  # fmt: skip
+
+
+def trainer_command(config: str, sets: list[str]) -> list[str]:
+    """`python -m train.launch` with accelerate's arguments (one process, a free port of its own), as tests/harness.py
+    `launch_command` builds it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "train.launch", "--config_file", config, "--num_processes", "1",
+            "--main_process_port", str(port), "train/finetune.py", "--recipe", TRAINER_RECIPE,
+            *[a for s in sets for a in ("--set", s)]]  # fmt: skip
+
+
+def launch_env(device: torch.device) -> dict[str, str]:
+    """This process's environment less a launcher's keys; no GPU visible when this script runs on CPU (the smoke)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_KEYS and not k.startswith(LAUNCHER_PREFIXES)}
+    env |= {"WANDB_SILENT": "true", "TOKENIZERS_PARALLELISM": "false"}
+    return env | ({} if device.type == "cuda" else {"CUDA_VISIBLE_DEVICES": ""})
+
+
+def run_launch(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) -> int | None:
+    """Run `cmd`, stdout and stderr into `log_path`; its exit code, None when it ran past `timeout`: then the launcher
+    and every process under it (its ranks run in sessions of their own) are SIGKILLed and waited for, so that the
+    device is free for the next case."""
+    import psutil  # (accelerate's dependency)
+
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log_file,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+            except psutil.NoSuchProcess:
+                tree = []
+            for p in tree:
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            psutil.wait_procs(tree, timeout=30)
+            proc.wait()
+            return None
+
+
+def last_error_line(text: str) -> str:
+    """The line that names a failed launch's cause: the trainer's one-line error (`error: ...`), else the last
+    exception line of a traceback, else the last line that is not the launcher's closing one."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for pick in (lambda ln: ln.startswith("error"), lambda ln: "Error" in ln.split(":")[0] or "Exception" in ln,
+                 lambda ln: not ln.startswith("launch:")):  # fmt: skip
+        found = [ln for ln in lines if pick(ln)]
+        if found:
+            return found[-1]
+    return "(no output)"
+
+
+def read_run(out: Path) -> tuple[dict, list[dict]]:
+    """memory.json (train.estimate's prediction, written at startup) and metrics.jsonl's lines (a torn one dropped)."""
+    memory = json.loads((out / "memory.json").read_text()) if (out / "memory.json").exists() else {}
+    lines = []
+    if (out / "metrics.jsonl").exists():
+        for ln in (out / "metrics.jsonl").read_text().splitlines():
+            try:
+                lines.append(json.loads(ln))
+            except ValueError:
+                pass
+    return memory, lines
+
+
+def measured_peaks(lines: list[dict], others: int) -> tuple[int | None, int | None]:
+    """(the true device peak, the allocated peak), max over steps: true = peak_reserved + device_used - reserved (the
+    allocator's reserved peak + the CUDA context and NCCL buffers), less `others` (what other processes, this one
+    included, held on the device when the launch started: device_used counts the whole device). (None, None) off
+    CUDA: the trainer logs these fields on CUDA only."""
+    gpu = [ln for ln in lines if "peak_reserved_bytes" in ln]
+    if not gpu:
+        return None, None
+    true = max(ln["peak_reserved_bytes"] + ln["device_used_bytes"] - ln["reserved_bytes"] for ln in gpu) - others
+    return true, max(ln["peak_mem_bytes"] for ln in gpu)
+
+
+def device_used(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    free_b, total = torch.cuda.mem_get_info(device)
+    return total - free_b
+
+
+def trainer_memory_part(device: torch.device, cfg: dict, cases: list, shapes: dict) -> None:
+    """Part 4: the real trainer (`python -m train.launch ... train/finetune.py`), one process, per case; its measured
+    peak against the prediction it recorded (memory.json). Rows print as each launch ends."""
+    log("\n## Part 4: the trainer's peak device memory vs train.estimate (1 process, Wan-1.3B size, "
+        f"{TRAINER_RECIPE}, latents {tuple(shapes['latents'])}, {shapes['prompt_embeds'][0]} text tokens, "
+        f"gradient checkpointing, {TRAINER_STEPS} steps)\n")  # fmt: skip
+    tmp = Path(tempfile.mkdtemp(prefix="ctxtrain-bench-memory-"))
+    try:
+        t = time.perf_counter()
+        n = write_pipeline(tmp / "pipeline", cfg, device)
+        log(f"Random-init transformer, {n / 1e9:.3f} B parameters, bf16, written in {time.perf_counter() - t:.0f} s.")
+        log(
+            "predicted = memory.json's predicted_peak_bytes; measured true peak = max over steps of peak_reserved"
+            " + device_used - reserved (metrics.jsonl), less what the device held before the launch (others).\n"
+        )
+        if device.type == "cuda":
+            config = tmp / "accelerate_1gpu.yaml"
+            config.write_text(GPU_ACCELERATE_CONFIG)
+        else:
+            config = REPO / "configs/accelerate/cpu.yaml"
+        header(["case", "predicted GiB", "measured true peak GiB", "max allocated GiB", "predicted / measured",
+                "last step s", "others GiB", "run"])  # fmt: skip
+        for i, (label, sets) in enumerate(cases):
+            left = DEADLINE_S - elapsed()
+            if left < MIN_CASE_S:
+                row([label, "skipped (time budget)"] + [""] * 6)
+                continue
+            try:
+                out = tmp / f"case{i}"
+                cmd = trainer_command(str(config), _common_sets(out, tmp / "pipeline", shapes) + list(sets))
+                row(_memory_case(device, label, cmd, out, min(CASE_TIMEOUT_S, left)))
+            except Exception as e:  # noqa: BLE001 - one failed case must not stop the others
+                row([label, f"error: {type(e).__name__}: {e}"[:200]] + [""] * 6)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _memory_case(device: torch.device, label: str, cmd: list[str], out: Path, timeout: float) -> list:
+    free(device)
+    others = device_used(device)
+    t = time.perf_counter()
+    log_path = out.with_suffix(".log")
+    rc = run_launch(cmd, launch_env(device), log_path, timeout)
+    wall = time.perf_counter() - t
+    text = log_path.read_text(errors="replace")
+    memory, lines = read_run(out)
+    predicted = memory.get("predicted_peak_bytes")
+    true, allocated = measured_peaks(lines, others)
+    cuda = device.type == "cuda"
+    na = "n/a (CPU)"
+    if rc == 0:
+        status = f"ok (exit 0, {len(lines)} steps, {wall:.0f} s)"
+    else:  # the launch's whole log kept where the row says, the row itself one line
+        kept = REPO / "outputs" / "bench_gpu_h200" / f"{re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-')}.log"
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log_path, kept)
+        where = f"(log: {kept.relative_to(REPO)})"
+        if rc is None:
+            status = f"timeout: killed after {timeout:.0f} s, {len(lines)} steps logged {where}"
+        else:
+            cause = "OOM: " if "out of memory" in text.lower() else ""
+            status = f"exit {rc}: {cause}{last_error_line(text)[:200]} {where}"
+    if predicted is None:
+        why = memory.get("why_no_prediction", "no memory.json")
+        pred_cell = f"none ({why})"[:120]
+    else:
+        pred_cell = gib(predicted)
+    ratio = f"{predicted / true:.2f}" if predicted and true else ("" if cuda else na)
+    return [label, pred_cell, gib(true) if cuda else na, gib(allocated) if cuda else na, ratio,
+            f"{lines[-1]['step_time_s']:.2f}" if lines else "—", gib(others) if cuda else na,
+            status.replace("|", "/")]  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the code paths only")
@@ -426,7 +704,7 @@ def main() -> None:
     import diffusers
 
     log(f"# H200 benchmark\n\n{time.strftime('%Y-%m-%d %H:%M')}, {name}, torch {torch.__version__}, "
-        f"diffusers {diffusers.__version__}, deadline {DEADLINE_S:.0f} s")  # fmt: skip
+        f"diffusers {diffusers.__version__}, deadline {DEADLINE_S:.0f} s (parts 1-3: {PARTS_1_3_S:.0f} s)")  # fmt: skip
     try:
         attention_part(device, SMOKE_ATTN if args.smoke else WAN_14B_ATTN)
     except Exception:  # noqa: BLE001
@@ -443,7 +721,14 @@ def main() -> None:
     except Exception:  # noqa: BLE001
         traceback.print_exc()
     if dist.is_initialized():
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # (and its NCCL buffers, before the device's memory is measured)
+    free(device)
+    try:
+        trainer_memory_part(device, SMOKE_WAN if args.smoke else WAN_1_3B,
+                            SMOKE_MEMORY_CASES if args.smoke else MEMORY_CASES,
+                            SMOKE_MEMORY_SHAPES if args.smoke else MEMORY_SHAPES)  # fmt: skip
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
     log(f"\n(total {time.perf_counter() - T0:.0f} s)")
 
 

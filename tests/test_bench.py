@@ -3,6 +3,7 @@ shapes on CPU, activation memory under CP 4, collectives and bytes per attention
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -25,12 +26,17 @@ def _memory_cp4(rank: int, world: int) -> dict:
 
 @pytest.mark.slow
 def test_gpu_script_smoke_runs_on_cpu() -> None:
-    """`python -m bench.gpu_h200 --smoke`, one process (forked from the harness's warm process)."""
+    """`python -m bench.gpu_h200 --smoke`, one process (forked from the harness's warm process); its Part 4 launches
+    the trainer once through `python -m train.launch` (~15 s here)."""
     rc, stdout, stderr = WARM.run(["-m", "bench.gpu_h200", "--smoke"], 1, timeout=300)
     assert rc == 0, stderr[-3000:]
     assert "| smoke | (2, 8, 8) | 32 | off | off |" in stdout
     assert "| smoke, ckpt | (2, 8, 8) | 32 | on | off |" in stdout
     assert "| native | 0.0e+00 | 0.0e+00 | ok |" in stdout  # the backend check ran (only native on CPU)
+    # Part 4: the real trainer launched per case, its memory.json's prediction read, the GPU-only fields said absent.
+    for case in ("LoRA, fp8_base",):
+        cells = r"\| (?:n/a \(CPU\) \| ){3}[0-9.]+ \| n/a \(CPU\) \| ok \(exit 0, 3 steps"
+        assert re.search(rf"\| {re.escape(case)} \| [0-9.e-]+ {cells}", stdout), stdout[-3000:]
 
 
 def test_activation_memory_at_cp4_meets_the_target(group) -> None:

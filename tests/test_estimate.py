@@ -13,6 +13,7 @@ within the tolerance too when the grid was cut to these (largest: cp 4 full, no 
 from __future__ import annotations
 
 import gc
+import math
 
 import pytest
 import torch
@@ -164,10 +165,98 @@ def test_the_suggestion_tries_the_optimizer_levers_for_full_fine_tuning_cheapest
     from train.config import load_recipe
 
     full = load_recipe("recipes/qwenimage/20b_full.yaml")
-    fp32 = est.estimate(full, 16, "cuda").peak / est.GIB
+    fp32_estimate = est.estimate(full, 16, "cuda")
+    fp32 = fp32_estimate.peak / est.GIB
     eight = est.estimate(load_recipe("recipes/qwenimage/20b_full.yaml", ["train.optimizer=adamw_8bit"]), 16, "cuda")
-    assert eight.peak / est.GIB < 0.6 * fp32  # the moments were a third of the peak, now 1/4 of that
+    state = "optimizer state (AdamW)"
+    assert eight.components[state] < 0.26 * fp32_estimate.components[state]  # 8-bit codes + scales vs 2 × fp32
+    # the moments and AdamW's fp32 temporaries were the step's peak; with 8-bit ones, the end of backward is (every
+    # gradient and the activations outside the blocks)
+    assert eight.peak / est.GIB < 0.7 * fp32
     said = est.suggest(full, 16, (fp32 + eight.peak / est.GIB) / 2)
     assert said.startswith("fits with --set train.optimizer=adamw_8bit"), said
     lora = load_recipe("recipes/qwenimage/20b_lora.yaml")
     assert "train.optimizer" not in est.suggest(lora, 8, 0.5 * est.estimate(lora, 8, "cuda").peak / est.GIB)
+
+
+def test_fp8_base_halves_the_frozen_weights_in_the_estimate() -> None:
+    """finetune.fp8_base: the meta model's quantized block linears count 1 byte per weight (+ a fp32 scale per row),
+    gathered as bytes (FSDP2's param_dtype cast skips them), plus one layer's upcast; Wan 14B is ~99% block linears."""
+    from train.config import load_recipe
+
+    bf16, fp8 = (est.estimate(load_recipe("recipes/wan/14b_lora.yaml", sets), 16, "cuda")
+                 for sets in ([], ["finetune.fp8_base=true"]))  # fmt: skip
+    ratio = fp8.components["parameters"] / bf16.components["parameters"]
+    assert 0.5 < ratio < 0.53, ratio
+    shape = est.model_shape(load_recipe("recipes/wan/14b_lora.yaml", ["finetune.fp8_base=true"]))
+    codes = [s for s, _, floating in shape.select(False, block=0) if not floating]
+    saved = sum(math.prod(s) for s in codes) * (2 - 1) - sum(s[0] for s in codes) * 2  # bf16 weights -> codes + scales
+    gathered = "FSDP gathered root + blocks"  # 2 blocks in flight, gathered in bf16 but for the codes
+    assert bf16.components[gathered] - fp8.components[gathered] == 2 * saved
+    assert fp8.components["fp8 weight upcast (one layer)"] == 13824 * 5120 * 2  # the FFN's largest linear, in bf16
+    assert fp8.peak < bf16.peak and "fp8 base" in fp8.layout
+
+
+def test_cpu_offload_moves_the_sharded_state_to_host_memory_on_a_gpu() -> None:
+    from train.config import load_recipe
+
+    def full(*sets: str):
+        return load_recipe("recipes/qwenimage/20b_full.yaml", sets)
+
+    on, off = est.estimate(full("parallel.cpu_offload=true"), 16, "cuda"), est.estimate(full(), 16, "cuda")
+    for k in ("parameters", "gradients", "optimizer state (AdamW)"):
+        assert k not in on.components and on.host[k] == off.components[k], k
+    assert on.host["optimizer step temporaries"] > 0 and on.peak < 0.4 * off.peak
+    cpu_on, cpu_off = est.estimate(full("parallel.cpu_offload=true"), 16, "cpu"), est.estimate(full(), 16, "cpu")
+    assert cpu_on.peak == cpu_off.peak and not cpu_on.host  # a CPU-only machine: the state is in host memory anyway
+
+
+def test_the_suggestion_tries_fp8_then_cpu_offload_for_lora() -> None:
+    from train.config import load_recipe
+
+    lora = load_recipe("recipes/wan/14b_lora.yaml")
+    levers = ["finetune.fp8_base=true", "train.offload_activations=true"]  # with checkpointing every block (the recipe)
+    fp8 = est.estimate(load_recipe("recipes/wan/14b_lora.yaml", levers), 16, "cuda").peak / est.GIB
+    assert est.suggest(lora, 16, fp8 + 0.05).startswith("fits with --set finetune.fp8_base=true")
+    said = est.suggest(lora, 16, 6.0)  # below what cp 16, offload and fp8 give: the CPU offload too
+    assert "parallel.cpu_offload=true" in said and "finetune.fp8_base=true" in said, said
+
+
+def test_full_fine_tuning_peak_follows_the_activations_and_gradient_accumulation() -> None:
+    """Backward ends holding every gradient and starts holding every block's activations: for full fine-tuning the
+    peak moves with the sequence once those exceed the optimizer step's. With grad_accum, FSDP2 accumulates unsharded
+    fp32 gradients until the last micro-batch's reduce-scatter."""
+    from train.config import load_recipe
+
+    def wan(*sets: str):
+        return est.estimate(load_recipe("recipes/wan/1.3b_lora.yaml", ["finetune.method=full", "checkpoint.export=auto",
+                            "parallel.cp=4", *sets]), 4, "cuda")  # fmt: skip
+
+    short, long = wan("data.num_frames=17"), wan("data.num_frames=81")  # 7,800 and 32,760 tokens over 4 ranks
+    step = sum(short.components[k] for k in ("parameters", "gradients", "optimizer state (AdamW)")) * 1.25  # +temps
+    assert short.peak < (step * 1.12 + 1.0 * est.GIB)  # the optimizer step's peak (+ reserve, context, NCCL)
+    assert long.peak - short.peak > 0.4 * est.GIB  # the end of backward's, above it
+    accum = wan("train.grad_accum=2")
+    full = load_recipe("recipes/wan/1.3b_lora.yaml", ["finetune.method=full", "checkpoint.export=auto"])
+    trained = sum(math.prod(s) for s, _, _ in est.model_shape(full).select(True))
+    assert accum.components["unsharded gradients (grad_accum)"] == 4 * trained
+    assert accum.peak > wan().peak
+
+
+def test_validation_counts_the_pipeline_components_it_loads(tiny_pipeline) -> None:
+    """The validation term: the bytes of the VAE and text encoder as the family's encoder loads them (the same
+    loading validation does), counted from the pipeline folder's safetensors headers without loading them."""
+    from train.config import load_recipe
+    from train.models import get_encoder
+
+    folder = tiny_pipeline("wan")
+    sets = [f"model.pretrained_path={folder}", "validation={prompts: [{prompt: a cat}], every_n_steps: 2}"]
+    recipe = load_recipe("recipes/tiny/wan.yaml", sets)
+    encoder = get_encoder("wan")
+    encoder.load(str(folder), text_dtype=torch.float32)
+    loaded = sum(t.nbytes for n, c in encoder.pipe.components.items()
+                 if isinstance(c, torch.nn.Module) and not n.startswith("transformer")
+                 for t in [*c.parameters(), *c.buffers()])  # fmt: skip
+    e = est.estimate(recipe, 2, "cpu")
+    assert e.components["validation: pipeline components"] == loaded > 0
+    assert "validation: pipeline components" not in est.estimate(load_recipe("recipes/tiny/wan.yaml"), 2).components

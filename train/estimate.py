@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import hashlib
 import json
@@ -159,18 +160,29 @@ def _inner_dim(config: Mapping[str, Any]) -> int:
 class ModelShape:
     """What a recipe's model holds, counted on the meta device (per parameter: numel, dtype, trainable, in a block)."""
 
-    params: tuple[tuple[tuple[int, ...], int, bool, int], ...]  # (shape, element size, trainable, block index or -1)
+    # (shape, element size, trainable, block index or -1, floating: False for fp8 codes, which no cast touches)
+    params: tuple[tuple[tuple[int, ...], int, bool, int, bool], ...]
     n_blocks: int
     linear_width: float  # mean Σ(in+out) linear features per block
     inner_dim: int
     heads: int
 
-    def select(self, trainable: bool | None = None, block: int | None = None) -> list[tuple[tuple[int, ...], int]]:
-        return [(s, e) for s, e, tr, b in self.params
-                if (trainable is None or tr == trainable) and (block is None or b == block)]  # fmt: skip
+    @functools.cached_property
+    def _by_block(self) -> dict[int, list[tuple[tuple[int, ...], int, bool, bool]]]:
+        """The parameters grouped by block (-1: outside the blocks): `select(block=b)` reads one group, not all."""
+        groups: dict[int, list[tuple[tuple[int, ...], int, bool, bool]]] = {}
+        for s, e, tr, b, f in self.params:
+            groups.setdefault(b, []).append((s, e, tr, f))
+        return groups
+
+    def select(
+        self, trainable: bool | None = None, block: int | None = None
+    ) -> list[tuple[tuple[int, ...], int, bool]]:
+        groups = self._by_block.values() if block is None else [self._by_block.get(block, [])]
+        return [(s, e, f) for g in groups for s, e, tr, f in g if trainable is None or tr == trainable]
 
     def numel(self, trainable: bool | None = None) -> int:
-        return sum(math.prod(s) for s, _ in self.select(trainable))
+        return sum(math.prod(s) for s, _, _ in self.select(trainable))
 
 
 def model_shape(recipe: Recipe) -> ModelShape:
@@ -183,7 +195,7 @@ def model_shape(recipe: Recipe) -> ModelShape:
     apply_finetune(model, recipe.finetune, spec, recipe.train.master_weights)
     blocks = repeated_blocks(model)
     where = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
-    params = tuple((tuple(p.shape), p.element_size(), p.requires_grad, where.get(id(p), -1))
+    params = tuple((tuple(p.shape), p.element_size(), p.requires_grad, where.get(id(p), -1), p.is_floating_point())
                    for p in model.parameters())  # fmt: skip
     width = sum(_linear_width(b) for b in blocks) / max(len(blocks), 1)
     config = model.config
@@ -199,29 +211,36 @@ def sample_tokens(recipe: Recipe) -> tuple[int, int]:
     and the family's size rules (`Geometry`: spatial multiple = VAE stride × patch, frames period × offset), as
     `train.prepare.check_geometry` checks them."""
     from train.data.media import Bucket
-    from train.modeling import family_spec
-    from train.models import get_encoder, transformer_config
+    from train.models import get_encoder
 
     m, data = recipe.model, recipe.data
-    spec = family_spec(m)
     if data.synthetic is not None:
-        shapes = data.synthetic.shapes
-        config = transformer_config(m.family, init_config=m.init_config, pretrained_path=m.pretrained_path,
-                                    subfolder=m.subfolder)  # fmt: skip
-        tokens = spec.tokens_per_sample({s: shapes[s] for s in spec.streams}, config)
-        text = shapes["prompt_embeds"][0]
-        return tokens, text
+        return _tokens_at(recipe, None, None, None), data.synthetic.shapes["prompt_embeds"][0]
     # a hub id is not fetched for an estimate: the family's published strides (a local folder gives its own)
     local = m.pretrained_path is not None and Path(m.pretrained_path).expanduser().is_dir()
     encoder = get_encoder(m.family)
     g = encoder.geometry(m.pretrained_path if local else None, m.revision)
     buckets = [Bucket.parse(x) for x in data.resolved(m).buckets]
     g.check(buckets)  # what train.prepare.check_geometry checks
+    tokens = max(_tokens_at(recipe, b.frames, b.height, b.width) for b in buckets)
+    return tokens, encoder.text_tokens(data.max_text_tokens) or encoder.default_text_tokens
+
+
+def _tokens_at(recipe: Recipe, frames: int | None, height: int | None, width: int | None) -> int:
+    """Transformer tokens of one sample of `frames` × `height` × `width` pixels (the family's latent shapes, patched);
+    the synthetic shapes' tokens with synthetic data; the largest bucket's when no size is given."""
+    from train.modeling import family_spec
+    from train.models import get_encoder, transformer_config
+
+    m, data = recipe.model, recipe.data
+    spec = family_spec(m)
     config = transformer_config(m.family, init_config=m.init_config, pretrained_path=m.pretrained_path,
                                 subfolder=m.subfolder)  # fmt: skip
-    tokens = max(spec.tokens_per_sample(encoder.latent_shapes(b.frames, b.height, b.width, data.fps), config)
-                 for b in buckets)  # fmt: skip
-    return tokens, encoder.text_tokens(data.max_text_tokens) or encoder.default_text_tokens
+    if data.synthetic is not None:
+        return spec.tokens_per_sample({s: data.synthetic.shapes[s] for s in spec.streams}, config)
+    if height is None or width is None:
+        return sample_tokens(recipe)[0]
+    return spec.tokens_per_sample(get_encoder(m.family).latent_shapes(frames, height, width, data.fps), config)
 
 
 # ------------------------------------------------------------------------------------------------------ calibration
@@ -480,7 +499,7 @@ class Estimate:
     components: dict[str, float]
     peak: float
     first_step_peak: float  # the first step's: AdamW creates its state in the optimizer step, after backward
-    host: float  # saved activations offloaded to host memory (train.offload_activations)
+    host: dict[str, float]  # host memory per rank: offloaded activations; the sharded state under CPU offload
     all_to_all: float  # CP all-to-all bytes sent per rank per optimizer step
     tokens: int  # per sample, after patching
     text: int
@@ -492,8 +511,7 @@ class Estimate:
         lines.append(f"  {'predicted peak':<34}{self.peak / GIB:9.2f} GiB")
         if device_gib is not None:
             lines.append(f"  {'device memory':<34}{device_gib:9.2f} GiB")
-        if self.host:
-            lines.append(f"  {'host memory (offloaded activations)':<34}{self.host / GIB:9.2f} GiB")
+        lines += [f"  {'host: ' + name:<34}{b / GIB:9.2f} GiB" for name, b in self.host.items()]
         lines.append(f"  {'CP all-to-all sent per step':<34}{self.all_to_all / GIB:9.2f} GiB")
         return "\n".join(lines)
 
@@ -540,59 +558,83 @@ def estimate(recipe: Recipe, world_size: int, device_type: str = "cuda", shape: 
     fsdp = shard * cp if p.fsdp else 1  # FSDP2 shards over dp_shard × cp, replicates over dp_replicate
     cuda = device_type == "cuda"
     compute = torch.bfloat16 if cuda and t.mixed_precision != "no" else None  # FSDP2 param_dtype (modeling.py)
+    offload = p.cpu_offload and cuda  # FSDP2 CPU offload: on a CPU-only machine the state is in host memory anyway
 
     def sharded(trainable: bool | None, elem: int | None = None, block: int | None = None) -> float:
-        return sum(_padded_shard_numel(s, fsdp) * (elem or e) for s, e in shape.select(trainable, block))
+        return sum(_padded_shard_numel(s, fsdp) * (elem or e) for s, e, _ in shape.select(trainable, block))
 
-    def gathered(block: int, trainable: bool | None = None) -> float:
-        return sum(math.prod(s) * (compute.itemsize if compute else e) for s, e in shape.select(trainable, block))
+    def gathered(block: int, trainable: bool | None = None) -> float:  # fp8 codes are gathered as they are
+        return sum(math.prod(s) * (compute.itemsize if compute and f else e)
+                   for s, e, f in shape.select(trainable, block))  # fmt: skip
 
     c: dict[str, float] = {}
     c["parameters"] = sharded(None)
     c["gradients"] = sharded(True)  # in the trained weights' dtype, sharded (FSDP2 reduce-scatters into the shard)
     c["optimizer state (AdamW)"] = sum(optim.state_bytes(_padded_shard_numel(s, fsdp), e, t.optimizer)
-                                       for s, e in shape.select(True))  # fmt: skip
+                                       for s, e, _ in shape.select(True))  # fmt: skip
     # FSDP2: the root (outside the blocks) stays gathered from forward to backward; a block in flight is gathered
     # while the next one is prefetched; its all-gather output is copied out into the parameters (one more block);
     # backward adds its unsharded gradients and their fp32 reduce-scatter input.
+    biggest = max(range(shape.n_blocks), key=gathered)
     if p.fsdp and fsdp > 1:
-        biggest = max(range(shape.n_blocks), key=gathered)
         per_block = gathered(biggest)
         kept = shape.n_blocks * per_block if not p.reshard_after_forward else 0.0
         c["FSDP gathered root + blocks"] = gathered(-1) + kept + 2 * per_block
         c["FSDP reduce-scatter buffer"] = sharded(True, 4, biggest) * fsdp  # one block's fp32 gradients, flat
+    if offload:  # each block's shards copied to the device for its all-gather (and the next one's, prefetched)
+        c["CPU offload staging (2 blocks)"] = 2 * sharded(None, block=biggest)
+    if t.grad_accum > 1 and p.fsdp and fsdp > 1:  # no reduce-scatter before the last micro-batch: FSDP2 accumulates
+        c["unsharded gradients (grad_accum)"] = sum(math.prod(s) * 4 for s, _, _ in shape.select(True))  # in fp32
     cal = load_calibration(recipe.model.family)
     fit = cal["fit"][f"{_precision(recipe, device_type)}/{recipe.finetune.method}"]
     tokens, text = sample_tokens(recipe)
     n, b = math.ceil(tokens / cp), t.batch_size  # the sequence is split over cp; text is not (conservative)
     width, inner = shape.linear_width, shape.inner_dim
     block = b * _eval(fit["block"], n, text) * width
+    elem = 2 if _precision(recipe, device_type) == "bf16" else 4
     if recipe.model.attention_backend in SCORE_BACKENDS:  # probabilities saved per attention call: (B, H/cp, S, S)
-        elem = 2 if _precision(recipe, device_type) == "bf16" else 4
         block += b * _eval(fit["scores"], tokens, text) * shape.heads / cp * elem
     recomputed = math.ceil(shape.n_blocks / t.checkpoint_every) if t.gradient_checkpointing else 0
     saved = (shape.n_blocks - recomputed) * block + recomputed * b * _eval(fit["input"], n, text) * inner
     work = max(0.0, b * _eval(fit["work_ckpt" if recomputed else "work"], n, text) * width)  # fits can dip below 0
-    host = 0.0
+    host: dict[str, float] = {}
     if t.offload_activations and cuda:  # saved block tensors live in host memory; one block's come back at a time
-        host, saved = saved, block
+        host["offloaded activations"], saved = saved, block
     c["activations (blocks)"] = saved
     c["activations (outside blocks)"] = b * _eval(fit["outside"], n, text) * width
     c["backward working set"] = work
-    elem = 2 if _precision(recipe, device_type) == "bf16" else 4
+    codes = [math.prod(s) for s, _, f in shape.select(False) if not f]
+    if codes:  # fp8 base: each quantized matmul upcasts its weight (forward, and again in backward), one at a time
+        c["fp8 weight upcast (one layer)"] = max(codes) * elem
     if cp > 1:  # Ulysses: q, k, v, out sent and received per attention call, one call at a time
         c["CP all-to-all buffers"] = 2 * 4 * b * n * inner * elem
-    step = c["parameters"] + c["gradients"] + c["optimizer state (AdamW)"]
     # AdamW's foreach path (CUDA) keeps one fp32 temporary per parameter of the whole list; the CPU path goes per tensor
     # (torchao's optimizers, train/optim.py, compile one step per tensor: its temporaries are one tensor's at most)
-    torch_foreach = cuda and t.optimizer == "adamw" and t.master_weights == "fp32"
-    largest = max((_padded_shard_numel(s, fsdp) * 4 for s, _ in shape.select(True)), default=0)
+    torch_foreach = cuda and not offload and t.optimizer == "adamw" and t.master_weights == "fp32"
+    largest = max((_padded_shard_numel(s, fsdp) * 4 for s, _, _ in shape.select(True)), default=0)
     opt_temp = sharded(True, 4) if torch_foreach else largest
-    # Forward/backward peaks early in backward, when the sharded gradients hardly exist yet (zero_grad sets them to
-    # None each step): they count in the optimizer step's peak, with AdamW's state and temporaries.
-    fwd_bwd = sum(c.values()) - c["gradients"]
-    peak = max(fwd_bwd, step + opt_temp)
-    first = max(fwd_bwd - c["optimizer state (AdamW)"], step + opt_temp)
+    step = c["parameters"] + c["gradients"] + c["optimizer state (AdamW)"] + opt_temp
+    # Backward frees each block's saved activations as it creates that block's sharded gradients (zero_grad sets them
+    # to None each step): the peak is at its start (every block's activations; with grad_accum, the gradients
+    # accumulated so far too) or at its end (every block's gradients, the activations outside the blocks still alive)
+    # whichever is larger; for full fine-tuning at long sequences the start, at short ones the end.
+    state = c["optimizer state (AdamW)"]
+    block_grads = c["gradients"] - sharded(True, block=-1)
+    if offload:  # the sharded state and the optimizer step live in host memory; the device runs forward/backward
+        for k in ("parameters", "gradients", "optimizer state (AdamW)"):
+            host[k] = c.pop(k)
+        host["optimizer step temporaries"] = opt_temp
+        step, state, block_grads = 0.0, 0.0, 0.0
+    held = max(saved + c.get("unsharded gradients (grad_accum)", 0.0), block_grads)
+    after = ("gradients", "activations (blocks)", "unsharded gradients (grad_accum)")  # in `held`
+    fwd_bwd = sum(v for k, v in c.items() if k not in after) + held
+    peak = max(fwd_bwd, step)
+    first = max(fwd_bwd - state, step)  # the first step: AdamW's state is created in the optimizer step
+    val = validation_peak(recipe, shape, fit, c, state, cp, text, elem)
+    if val is not None:
+        c["validation: pipeline components"] = val[1]
+        peak = max(peak, val[0])
+        first = max(first, val[0] - state)
     if cuda:  # what the device holds beyond the tensors (constants above)
         k = _communicators(recipe, world_size)
         base = {"CUDA context + cuBLAS/cuDNN": CUDA_CONTEXT,
@@ -604,10 +646,73 @@ def estimate(recipe: Recipe, world_size: int, device_type: str = "cuda", shape: 
     # Ulysses per block and pass (forward, backward, recompute): q, k, v in and out back, (cp - 1)/cp of each leaves
     passes = 2 + recomputed / max(shape.n_blocks, 1)
     a2a = 4 * b * n * inner * elem * (cp - 1) / cp * shape.n_blocks * passes * t.grad_accum
+    levers = [("offload activations", t.offload_activations), ("CPU offload", offload),
+              ("fp8 base", recipe.finetune.fp8_base)]  # fmt: skip
     layout = (f"{world_size} ranks: dp_replicate {rep} × dp_shard {shard} × cp {cp}; {recipe.finetune.method}; "
-              f"checkpointing {'every ' + str(t.checkpoint_every) if t.gradient_checkpointing else 'off'}"
-              + ("; offload" if t.offload_activations else ""))  # fmt: skip
+              f"checkpointing {'every ' + str(t.checkpoint_every) if t.gradient_checkpointing else 'off'}; "
+              f"{optim.describe(t.optimizer, t.master_weights).split(' (')[0]}"
+              + "".join(f"; {name}" for name, on in levers if on))  # fmt: skip
     return Estimate(c, peak, first, host, a2a, tokens, text, layout)
+
+
+def validation_peak(
+    recipe: Recipe, shape: ModelShape, fit: Mapping[str, Any], c: Mapping[str, float], state: float, cp: int,
+    text: int, elem: int,
+) -> tuple[float, float] | None:  # fmt: skip
+    """(peak during a validation render, the pipeline components' bytes), or None without a validation section or
+    when the components' sizes are unknown (a hub id not downloaded yet: said in the breakdown by its absence). Between
+    steps the gradients are gone; the weights, the optimizer state and the FSDP working set stay; the VAE and text
+    encoders come onto the device (train/validation.py); one block's forward at the sample's tokens runs at a time,
+    batch 2 (classifier-free guidance). The VAE decode's own working set is not counted."""
+    v = recipe.validation
+    components = _component_bytes(recipe) if v is not None else None
+    if components is None:
+        return None
+    tokens = _tokens_at(recipe, v.num_frames or recipe.data.num_frames, v.height or recipe.data.height,
+                        v.width or recipe.data.width)  # fmt: skip
+    forward = 2 * _eval(fit["block"], math.ceil(tokens / cp), text) * shape.linear_width
+    kept = (
+        "parameters",
+        "FSDP gathered root + blocks",
+        "CPU offload staging (2 blocks)",
+        "CP all-to-all buffers",
+    )
+    peak = sum(c.get(k, 0.0) for k in kept) + state + components + forward
+    return peak, components
+
+
+def _component_bytes(recipe: Recipe) -> float | None:
+    """Bytes of the pipeline components validation puts on the device: every safetensors file of the pipeline folder
+    outside its transformer(s), as the family's encoder loads them (train/models/encoder.py: the VAE and image encoder
+    in fp32, the text encoders in `data.text_encoder_dtype`). A hub id counts when its snapshot is in the local cache
+    (train.prepare downloaded it)."""
+    m = recipe.model
+    if m.pretrained_path is None:
+        return None
+    folder = Path(m.pretrained_path).expanduser()
+    if not folder.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(m.pretrained_path, revision=m.revision, local_files_only=True))
+        except Exception:  # noqa: BLE001 — not downloaded (or no hub at all): unknown, not an error
+            return None
+    text_elem = getattr(torch, recipe.data.resolved(m).text_encoder_dtype).itemsize
+    sizes = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "BOOL": 1}
+    total = 0.0
+    for file in folder.glob("*/*.safetensors"):
+        sub = file.parent.name
+        if sub.startswith("transformer"):
+            continue
+        with file.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for key, entry in header.items():
+            if key == "__metadata__":
+                continue
+            floating = entry["dtype"] in ("F64", "F32", "BF16", "F16")
+            elem = (4 if sub in ("vae", "image_encoder") else text_elem) if floating else sizes.get(entry["dtype"], 4)
+            total += math.prod(entry["shape"]) * elem
+    return total
 
 
 # ------------------------------------------------------------------------------------------------ verdict and advice
@@ -624,25 +729,30 @@ def parse_gib(text: str) -> float:
     return value * 1e9 / GIB if m.group(2) == "gb" else value
 
 
-# Full fine-tuning's optimizer levers (train/optim.py) with the cost `_variants` gives them: 8-bit moments first
-# (no compute, a loss drift of ~1e-4: tests/test_optim.py), then bf16 master weights, then both.
+# The memory levers beyond activations, with the cost `_variants` gives them, cheapest first. Full fine-tuning: 8-bit
+# moments (no compute, a loss drift of ~1e-4: tests/test_optim.py), then bf16 master weights, then both. LoRA: the
+# frozen base in fp8 after checkpointing (its gradients ~3% off the bf16 base's: tests/test_fp8.py). Either: FSDP2 CPU
+# offload last (every step pays host-device copies and a CPU optimizer step), alone and with the method's levers.
 OPTIMIZER_LEVERS: list[tuple[int, dict[str, Any]]] = [
     (1, {"train.optimizer": "adamw_8bit"}),
     (2, {"train.master_weights": "bf16", "train.mixed_precision": "bf16"}),
     (3, {"train.optimizer": "adamw_8bit", "train.master_weights": "bf16", "train.mixed_precision": "bf16"}),
 ]
+LORA_LEVERS: list[tuple[int, dict[str, Any]]] = [(3, {"finetune.fp8_base": True})]
+CPU_OFFLOAD = (6, {"parallel.cpu_offload": True})
 
 
 def _variants(recipe: Recipe, gpus: int) -> Iterable[tuple[int, dict[str, Any]]]:
     """(cost, overrides) of the layouts to try, cheapest change first: checkpointing, more CP, checkpointing every
-    block, all the CP a node gives, offload; for full fine-tuning, with the optimizer levers too."""
-    t, p = recipe.train, recipe.parallel
+    block, all the CP a node gives, offload of activations; with the method's memory levers and CPU offload too."""
+    t, p, f = recipe.train, recipe.parallel, recipe.finetune
     cps = [c for c in range(1, gpus + 1) if gpus % (c * p.dp_replicate) == 0]
-    levers = [(0, {})]
-    if recipe.finetune.method == "full":
-        now = {"train.optimizer": t.optimizer, "train.master_weights": t.master_weights,
-               "train.mixed_precision": t.mixed_precision}  # fmt: skip
-        levers += [(c, {k: v for k, v in o.items() if now[k] != v}) for c, o in OPTIMIZER_LEVERS]
+    now = {"train.optimizer": t.optimizer, "train.master_weights": t.master_weights,
+           "train.mixed_precision": t.mixed_precision, "finetune.fp8_base": f.fp8_base,
+           "parallel.cpu_offload": p.cpu_offload}  # fmt: skip
+    own = [(0, {})] + (OPTIMIZER_LEVERS if f.method == "full" else LORA_LEVERS)
+    levers = own + ([(c + CPU_OFFLOAD[0], {**o, **CPU_OFFLOAD[1]}) for c, o in own] if p.fsdp else [])
+    levers = [(c, {k: v for k, v in o.items() if now[k] != v}) for c, o in levers]
     for (lever_cost, lever), cp in ((lv, cp) for lv in levers for cp in cps):
         for every in ((t.checkpoint_every,) if t.gradient_checkpointing else ()) + (2, 1):
             for offload in (t.offload_activations, True):
@@ -663,7 +773,8 @@ def suggest(recipe: Recipe, gpus: int, gib: float, device_type: str = "cuda") ->
     """The smallest change (fewest, cheapest levers) whose prediction fits `gib`, as `--set` overrides."""
     from train.config import recipe_from_dict, recipe_to_dict
 
-    shapes = {recipe.train.master_weights: model_shape(recipe)}  # the trained weights' dtype is in the shape
+    # the trained weights' dtype and the fp8 base are in the shape
+    shapes = {(recipe.train.master_weights, recipe.finetune.fp8_base): model_shape(recipe)}
     for _, changes in sorted(_variants(recipe, gpus), key=lambda v: v[0]):
         data = recipe_to_dict(recipe)
         for key, value in changes.items():
@@ -672,8 +783,8 @@ def suggest(recipe: Recipe, gpus: int, gib: float, device_type: str = "cuda") ->
         data["parallel"]["dp_shard"] = -1  # what is left of the world after cp
         try:
             candidate = recipe_from_dict(data)
-            master = candidate.train.master_weights
-            shape = shapes[master] = shapes.get(master) or model_shape(candidate)
+            key = (candidate.train.master_weights, candidate.finetune.fp8_base)
+            shape = shapes[key] = shapes.get(key) or model_shape(candidate)
             e = estimate(candidate, gpus, device_type, shape)
         except ValueError:
             continue
@@ -681,8 +792,8 @@ def suggest(recipe: Recipe, gpus: int, gib: float, device_type: str = "cuda") ->
             sets = " ".join(f"--set {k}={str(v).lower()}" for k, v in changes.items())
             return f"fits with {sets} (predicted {e.peak / GIB:.1f} GiB)" if changes else "fits as is"
     return (
-        "no layout of cp, checkpointing, offload and optimizer levers fits: more GPUs (FSDP shards over all of "
-        "them) or LoRA"
+        "no layout of cp, checkpointing, offload and memory levers (optimizer, fp8 base, CPU offload) fits: more "
+        "GPUs (FSDP shards over all of them)" + (" or LoRA" if recipe.finetune.method == "full" else "")
     )
 
 
