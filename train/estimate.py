@@ -553,7 +553,7 @@ def estimate(recipe: Recipe, world_size: int, device_type: str = "cuda", shape: 
     """Predicted memory per rank of `recipe` on `world_size` ranks of `device_type` (steady state: the optimizer
     state exists during forward and backward)."""
     p, t = recipe.parallel, recipe.train
-    rep, shard, cp = p.resolve(world_size)
+    _, shard, cp = p.resolve(world_size)
     shape = shape or model_shape(recipe)
     fsdp = shard * cp if p.fsdp else 1  # FSDP2 shards over dp_shard × cp, replicates over dp_replicate
     cuda = device_type == "cuda"
@@ -613,46 +613,68 @@ def estimate(recipe: Recipe, world_size: int, device_type: str = "cuda", shape: 
     torch_foreach = cuda and not offload and t.optimizer == "adamw" and t.master_weights == "fp32"
     largest = max((_padded_shard_numel(s, fsdp) * 4 for s, _, _ in shape.select(True)), default=0)
     opt_temp = sharded(True, 4) if torch_foreach else largest
-    step = c["parameters"] + c["gradients"] + c["optimizer state (AdamW)"] + opt_temp
-    # Backward frees each block's saved activations as it creates that block's sharded gradients (zero_grad sets them
-    # to None each step): the peak is at its start (every block's activations; with grad_accum, the gradients
-    # accumulated so far too) or at its end (every block's gradients, the activations outside the blocks still alive)
-    # whichever is larger; for full fine-tuning at long sequences the start, at short ones the end.
-    state = c["optimizer state (AdamW)"]
-    block_grads = c["gradients"] - sharded(True, block=-1)
-    if offload:  # the sharded state and the optimizer step live in host memory; the device runs forward/backward
-        for k in ("parameters", "gradients", "optimizer state (AdamW)"):
-            host[k] = c.pop(k)
-        host["optimizer step temporaries"] = opt_temp
-        step, state, block_grads = 0.0, 0.0, 0.0
-    held = max(saved + c.get("unsharded gradients (grad_accum)", 0.0), block_grads)
-    after = ("gradients", "activations (blocks)", "unsharded gradients (grad_accum)")  # in `held`
-    fwd_bwd = sum(v for k, v in c.items() if k not in after) + held
-    peak = max(fwd_bwd, step)
-    first = max(fwd_bwd - state, step)  # the first step: AdamW's state is created in the optimizer step
+    peak, first, state = _peaks(c, host, sharded(True, block=-1), opt_temp, offload)
     val = validation_peak(recipe, shape, fit, c, state, cp, text, elem)
     if val is not None:
         c["validation: pipeline components"] = val[1]
         peak = max(peak, val[0])
         first = max(first, val[0] - state)
     if cuda:  # what the device holds beyond the tensors (constants above)
-        k = _communicators(recipe, world_size)
-        base = {"CUDA context + cuBLAS/cuDNN": CUDA_CONTEXT,
-                f"NCCL buffers ({k} communicators)": k * NCCL_PER_COMMUNICATOR}  # fmt: skip
-        c[f"caching allocator reserve ({ALLOCATOR_RESERVE:.0%})"] = ALLOCATOR_RESERVE * peak
-        c.update(base)
-        peak = peak * (1 + ALLOCATOR_RESERVE) + sum(base.values())
-        first = first * (1 + ALLOCATOR_RESERVE) + sum(base.values())
+        peak, first = _device_overheads(recipe, world_size, c, peak, first)
     # Ulysses per block and pass (forward, backward, recompute): q, k, v in and out back, (cp - 1)/cp of each leaves
     passes = 2 + recomputed / max(shape.n_blocks, 1)
     a2a = 4 * b * n * inner * elem * (cp - 1) / cp * shape.n_blocks * passes * t.grad_accum
+    layout = _layout(recipe, world_size, offload)
+    return Estimate(c, peak, first, host, a2a, tokens, text, layout)
+
+
+def _peaks(
+    c: dict[str, float], host: dict[str, float], outside_grads: float, opt_temp: float, offload: bool
+) -> tuple[float, float, float]:
+    """(steady-state peak, first-step peak, optimizer state on the device) from the components `c`; under CPU offload
+    the sharded state and the optimizer step move from `c` to `host`.
+
+    Backward frees each block's saved activations as it creates that block's sharded gradients (zero_grad sets them
+    to None each step): its peak is at its start (every block's activations; with grad_accum, the gradients
+    accumulated so far too) or at its end (every block's gradients, the activations outside the blocks still alive),
+    whichever is larger: for full fine-tuning at long sequences the start, at short ones the end. The optimizer step
+    holds the weights, gradients, state and its temporaries. The first step has no AdamW state before its update."""
+    step = c["parameters"] + c["gradients"] + c["optimizer state (AdamW)"] + opt_temp
+    state = c["optimizer state (AdamW)"]
+    block_grads = c["gradients"] - outside_grads
+    if offload:  # the sharded state and the optimizer step live in host memory; the device runs forward/backward
+        for k in ("parameters", "gradients", "optimizer state (AdamW)"):
+            host[k] = c.pop(k)
+        host["optimizer step temporaries"] = opt_temp
+        step, state, block_grads = 0.0, 0.0, 0.0
+    held = max(c["activations (blocks)"] + c.get("unsharded gradients (grad_accum)", 0.0), block_grads)
+    after = ("gradients", "activations (blocks)", "unsharded gradients (grad_accum)")  # in `held`
+    fwd_bwd = sum(v for k, v in c.items() if k not in after) + held
+    return max(fwd_bwd, step), max(fwd_bwd - state, step), state
+
+
+def _device_overheads(
+    recipe: Recipe, world_size: int, c: dict[str, float], peak: float, first: float
+) -> tuple[float, float]:
+    """The GPU's costs beyond the step's tensors (the constants above), added to `c`; the peaks with them."""
+    k = _communicators(recipe, world_size)
+    base = {"CUDA context + cuBLAS/cuDNN": CUDA_CONTEXT,
+            f"NCCL buffers ({k} communicators)": k * NCCL_PER_COMMUNICATOR}  # fmt: skip
+    c[f"caching allocator reserve ({ALLOCATOR_RESERVE:.0%})"] = ALLOCATOR_RESERVE * peak
+    c.update(base)
+    return peak * (1 + ALLOCATOR_RESERVE) + sum(base.values()), first * (1 + ALLOCATOR_RESERVE) + sum(base.values())
+
+
+def _layout(recipe: Recipe, world_size: int, offload: bool) -> str:
+    """The breakdown's first line: degrees, method, checkpointing, optimizer and the levers on."""
+    t = recipe.train
+    rep, shard, cp = recipe.parallel.resolve(world_size)
     levers = [("offload activations", t.offload_activations), ("CPU offload", offload),
               ("fp8 base", recipe.finetune.fp8_base)]  # fmt: skip
-    layout = (f"{world_size} ranks: dp_replicate {rep} × dp_shard {shard} × cp {cp}; {recipe.finetune.method}; "
-              f"checkpointing {'every ' + str(t.checkpoint_every) if t.gradient_checkpointing else 'off'}; "
-              f"{optim.describe(t.optimizer, t.master_weights).split(' (')[0]}"
-              + "".join(f"; {name}" for name, on in levers if on))  # fmt: skip
-    return Estimate(c, peak, first, host, a2a, tokens, text, layout)
+    return (f"{world_size} ranks: dp_replicate {rep} × dp_shard {shard} × cp {cp}; {recipe.finetune.method}; "
+            f"checkpointing {'every ' + str(t.checkpoint_every) if t.gradient_checkpointing else 'off'}; "
+            f"{optim.describe(t.optimizer, t.master_weights).split(' (')[0]}"
+            + "".join(f"; {name}" for name, on in levers if on))  # fmt: skip
 
 
 def validation_peak(
