@@ -6,11 +6,11 @@ trained parameter, loss drift against fp32 AdamW, and exact resume, measured in 
 Full fine-tuning of the mid-size random-init Wan of bench/levers.py (4 blocks of 12 heads × 64, ffn 3072: 43 M
 parameters) on 2 CPU processes (cp 2: FSDP2 shards every tensor over both), 32 video + 16 text tokens per sample,
 bf16 autocast in every case, through the trainer's own pieces (`build_model`, `build_optimizer`, `train_step`) and
-its checkpoint (`AppState` through DCP). Per lever: the optimizer state this rank holds (the storage of every state
-tensor: torchao's codes, scales and tables included) against train.estimate's term for the same recipe; weight +
-gradient + state per parameter; the largest per-step relative loss difference from fp32 AdamW; and whether a run
-restored from the checkpoint of the middle step continues bit-identically. tests/test_optim.py runs the same function
-on a 128-wide model (`small`).
+its checkpoint (`save_state` then `restore`: DCP shards, manifest, and trainer.json with the scheduler as JSON). Per
+lever: the optimizer state this rank holds (the storage of every state tensor: torchao's codes, scales and tables
+included) against train.estimate's term for the same recipe; weight + gradient + state per parameter; the largest
+per-step relative loss difference from fp32 AdamW; and whether a run restored from the checkpoint of the middle step
+continues bit-identically. tests/test_optim.py runs the same function on a 128-wide model (`small`).
 """
 
 from __future__ import annotations
@@ -42,14 +42,14 @@ SMALL = {"num_attention_heads": 4, "attention_head_dim": 32, "text_dim": 128, "f
          "num_layers": 2}  # fmt: skip
 
 
-def recipe_for(init_config: dict, steps: int, shapes: str, sets: list[str]):
+def recipe_for(init_config: dict, steps: int, shapes: str, sets: list[str], output_dir: Path):
     from train.config import load_recipe
 
     tiny = load_recipe(REPO / "recipes/tiny/wan.yaml").model.init_config
     config = json.dumps({**tiny, **init_config})
     return load_recipe(REPO / "recipes/tiny/wan.yaml", ["finetune.method=full", "parallel.cp=2", "train.lr=1e-3",
                        "train.mixed_precision=bf16", f"train.max_steps={steps}", f"model.init_config={config}",
-                       f"data.synthetic.shapes={shapes}", *sets])  # fmt: skip
+                       f"data.synthetic.shapes={shapes}", f"output_dir={output_dir}", *sets])  # fmt: skip
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -67,12 +67,11 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 def _rank_fn(rank: int, world: int, init_config: dict, steps: int, save_at: int, shapes: str) -> dict:
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
 
-    from train.checkpoint import AppState
+    from train.checkpoint import AppState, restore
     from train.data.batches import build_dataset, make_batches
     from train.estimate import estimate
-    from train.finetune import Trainer, autocast_dtype, build_optimizer, train_step
+    from train.finetune import Trainer, autocast_dtype, build_optimizer, save_state, train_step
     from train.modeling import build_model, family_spec
     from train.models import cache_reads
     from train.parallel import ParallelDims
@@ -83,7 +82,7 @@ def _rank_fn(rank: int, world: int, init_config: dict, steps: int, save_at: int,
     dist.broadcast_object_list(box)
     out = {}
     for name, sets in LEVERS.items():
-        recipe = recipe_for(init_config, steps, shapes, sets)
+        recipe = recipe_for(init_config, steps, shapes, sets, Path(box[0]) / name.replace(" ", "_"))
         spec = family_spec(recipe.model)
 
         def trainer(recipe=recipe, spec=spec) -> Trainer:
@@ -97,19 +96,18 @@ def _rank_fn(rank: int, world: int, init_config: dict, steps: int, save_at: int,
 
         tr = trainer()
         lines = [train_step(tr, s) for s in range(save_at)]
-        path = Path(box[0]) / name.replace(" ", "_")
-        dcp.save({"app": AppState(tr.model, tr.optimizer, trainable_only=False)}, checkpoint_id=str(path))
-        saved = {"scheduler": tr.scheduler.state_dict(), "data": tr.batches.state_dict()}
+        app = AppState(tr.model, tr.optimizer, trainable_only=False)
+        assert save_state(recipe, {"run": {"id": name}}, app, tr.scheduler, tr.batches, mesh, save_at) is not None
         lines += [train_step(tr, s) for s in range(save_at, steps)]
         case = {"loss": [x["loss"] for x in lines], "grad_norm": [x["grad_norm"] for x in lines],
                 "state": state_bytes(tr.optimizer), "params": sum(p.numel() for p in tr.params),
                 "weights": sum(p.to_local().untyped_storage().nbytes() for p in tr.params),
                 "estimate": estimate(recipe, world, "cpu").components["optimizer state (AdamW)"],
                 "dtypes": sorted({str(p.dtype) for p in tr.params})}  # fmt: skip
-        resumed = trainer()
-        dcp.load({"app": AppState(resumed.model, resumed.optimizer, trainable_only=False)}, checkpoint_id=str(path))
-        resumed.scheduler.load_state_dict(saved["scheduler"])
-        resumed.batches.load_state_dict(saved["data"])
+        resumed = trainer()  # the trainer's resume: the newest checkpoint verified and loaded, its JSON state applied
+        _, state = restore(recipe.output_dir, AppState(resumed.model, resumed.optimizer, trainable_only=False))
+        resumed.scheduler.load_state_dict(state["scheduler"])
+        resumed.batches.load_state_dict(state["data"])
         again = [train_step(resumed, s) for s in range(save_at, steps)]
         case["resumed"] = {"loss": [x["loss"] for x in again], "grad_norm": [x["grad_norm"] for x in again]}
         out[name] = case

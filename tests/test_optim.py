@@ -8,8 +8,9 @@ trainer's own step and checkpoint, on 2 gloo ranks (cp 2: FSDP2 shards every ten
   3.0e-4, bf16 masters + adamw_8bit 1.7e-4), for other CPUs' kernels. 8-bit and 4-bit moments change each
   update by their quantization error (up to ~1/255 and ~1/15 of their block's largest value), bf16 masters each
   weight by a rounding of ~2^-9 of it (stochastic, so unbiased: it does not accumulate as round-to-nearest would).
-- Exact resume: the checkpoint of step 3 restored into a freshly built model and optimizer continues bit-identically
-  (steps 4-6's losses and gradient norms; stochastic rounding is seeded per step).
+- Exact resume: the trainer's checkpoint of step 3 (`save_state`: DCP shards, manifest, the scheduler's torchao
+  tensor rates as JSON) restored by the trainer's `restore` into a freshly built model and optimizer continues
+  bit-identically (steps 4-6's losses and gradient norms; stochastic rounding is seeded per step).
 - The optimizer state each rank holds (the storage of every state tensor, quantized codes and scales included)
   against train.estimate's term at world 2: equal within 1% on rank 0, whose shards are FSDP's padded ones the
   estimate counts, not above it on rank 1; and weight + gradient + state per parameter as the lever promises (16,
