@@ -1,4 +1,5 @@
-"""Activation memory levers and torch.compile: peak memory and step time of each, measured in one run.
+"""Activation memory levers, the CP attention kernel and torch.compile: peak memory and step time of each, measured
+in one run.
 
     python -m bench.levers [--nproc 2] [--steps 3]
 
@@ -30,9 +31,25 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "none": (),
     "checkpoint every block": ("train.gradient_checkpointing=true",),
     "checkpoint every 2nd block": ("train.gradient_checkpointing=true", "train.checkpoint_every=2"),
+    "checkpoint every block, keep attention": (
+        "train.gradient_checkpointing=true",
+        "train.checkpoint_policy=keep_attention",
+    ),
+    "checkpoint every block, keep attention + matmuls": (
+        "train.gradient_checkpointing=true",
+        "train.checkpoint_policy=keep_attention_matmul",
+    ),
     "offload saved activations": ("train.offload_activations=true",),
     "compile": ("train.compile=true",),
     "compile + checkpoint every block": ("train.compile=true", "train.gradient_checkpointing=true"),
+    "compile + checkpoint every block, keep attention": (
+        "train.compile=true",
+        "train.gradient_checkpointing=true",
+        "train.checkpoint_policy=keep_attention",
+    ),
+    # The CP attention through diffusers' native op pair (saves Q/K/V only, re-runs the attention in backward)
+    # instead of the default kernel (auto: torch's CPU flash kernel, output and LSE saved).
+    "attention kernel: backend (native op pair)": ("parallel.attention_kernel=backend",),
 }
 
 
@@ -51,11 +68,13 @@ def launch(out_dir: Path, nproc: int, steps: int, latents: list[int], *sets: str
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def measure(nproc: int, steps: int) -> dict[str, dict]:
+def measure(nproc: int, steps: int, only: list[str] | None = None) -> dict[str, dict]:
     with tempfile.TemporaryDirectory() as tmp:
         base = launch(Path(tmp) / "base", nproc, 1, [16, 1, 4, 4])[-1]["peak_mem_bytes"]
         rows = {}
         for name, sets in SETTINGS.items():
+            if only and name != "none" and not any(o in name for o in only):
+                continue
             lines = launch(Path(tmp) / name.replace(" ", "_"), nproc, steps, [16, 8, 32, 32], *sets)
             rows[name] = {"memory": max(m["peak_mem_bytes"] for m in lines) - base,
                           "step_s": statistics.median(m["step_time_s"] for m in lines[1:]),
@@ -67,8 +86,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--only", nargs="*", help="settings whose name contains one of these (and none)")
     args = parser.parse_args()
-    rows = measure(args.nproc, args.steps)
+    rows = measure(args.nproc, args.steps, args.only)
     ref = rows["none"]
     print(f"mid-size Wan, 4 blocks, 2048 video tokens, LoRA, CP {args.nproc} on CPU; rank 0; ratios vs none\n")
     print("| setting | step memory (MiB) | × none | step time (s) | × none | loss equal to none |")

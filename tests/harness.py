@@ -27,8 +27,10 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections import Counter
@@ -221,9 +223,14 @@ def _fork_ranks(req: dict, launched: dict[str, str], reply: Callable[..., None])
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
     n, pids = req["nproc"], {}
+    # torchrun's agent gives each rank an error file in a folder of the run's own (train/errors.py marks there which
+    # rank reported a user error first: that rank prints it, whatever the others are still doing when it exits)
+    attempt = Path(tempfile.mkdtemp(prefix="ctxtrain-warm-run-")) / "attempt_0"
     for rank in range(n):
+        (attempt / str(rank)).mkdir(parents=True)
         per_rank = {**dict.fromkeys(PER_RANK, str(rank)), **dict.fromkeys(PER_WORLD, str(n)), "MASTER_PORT": port,
-                    "CTXTRAIN_LAUNCHER_PID": str(os.getpid())}  # fmt: skip  # this process is their launcher
+                    "CTXTRAIN_LAUNCHER_PID": str(os.getpid()),  # this process is their launcher
+                    "TORCHELASTIC_ERROR_FILE": str(attempt / str(rank) / "error.json")}  # fmt: skip
         rank_env = {**req["env"], **launched, **per_rank} if "argv" in req else req["env"]
         sys.stdout.flush()
         sys.stderr.flush()
@@ -244,8 +251,10 @@ def _fork_ranks(req: dict, launched: dict[str, str], reply: Callable[..., None])
             for rank in set(pids) - set(codes):
                 os.kill(pids[rank], signal.SIGKILL)
             if not late:
+                shutil.rmtree(attempt.parent, ignore_errors=True)
                 return 124
         time.sleep(0.02)
+    shutil.rmtree(attempt.parent, ignore_errors=True)
     if not failed_at:
         return 0
     rank, code = failed_at[0], codes[failed_at[0]]

@@ -1,10 +1,14 @@
 """Op-level parity: trainable Ulysses-Anything attention on 2, 3 and 4 gloo ranks vs single-process SDPA.
 
 Each spawned group loops over every case (spawning costs ~10 s, a case costs milliseconds). Every case compares the
-CP output and dQ/dK/dV with the serial result: within 1e-6 abs in fp32 and 1e-12 in fp64.
+CP output and dQ/dK/dV with the serial result: within 1e-6 abs in fp32 and 1e-12 in fp64, through each attention
+kernel that runs on CPU (`parallel.attention_kernel`: auto = torch's CPU flash kernel, math, and the backend's own
+op pair); a kernel's backward runs no forward (counted).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -12,8 +16,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.harness import rank_job
+from train.cp.layout import split_sizes
 
 TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
+# parallel.attention_kernel values that run on CPU (auto: torch's CPU flash kernel), and "heads_major": the CPU flash
+# kernel registered with heads-major storage in the spawned ranks (as cuDNN is), so the all-to-all assembles
+# (B, h, S, D) for it, and it checks that it gets contiguous heads-major Q/K/V.
+KERNELS = ("auto", "math", "backend", "heads_major")
 
 # (name, batch, q_len, kv_len, heads, head_dim, mask): lengths the degrees do not divide, heads 7 (divisible by
 # none of 2/3/4), fewer heads than ranks, cross-attention (q_len != kv_len) and every mask layout.
@@ -101,8 +110,9 @@ def _attention_cases(rank: int, world: int) -> dict:
     install_ulysses_anything_backward()
     install_ulysses_anything_backward()  # idempotent
     cfg = _parallel_config(world)
-    errors = {}
-    for seed, (name, B, Sq, Skv, H, D, mask_kind) in enumerate(CASES):
+    errors, relative, forwards = {}, {}, _count_kernel_forwards()
+    for (seed, (name, B, Sq, Skv, H, D, mask_kind)), kernel in itertools.product(enumerate(CASES), KERNELS):
+        cfg.kernel = kernel
         for dtype in (torch.float32, torch.float64):
             gen = torch.Generator().manual_seed(seed)  # same data on every rank
             q, k, v = (torch.randn(B, S, H, D, generator=gen, dtype=dtype) for S in (Sq, Skv, Skv))
@@ -118,20 +128,51 @@ def _attention_cases(rank: int, world: int) -> dict:
             out = dispatch_attention_fn(
                 ql, kl, vl, attn_mask=ml, backend=AttentionBackendName.NATIVE, parallel_config=cfg
             )
+            before = sum(forwards.values())
             out.backward(dout.tensor_split(world, dim=1)[rank])
             shard = lambda t: t.tensor_split(world, dim=1)[rank]  # noqa: E731
-            errors[(name, str(dtype))] = {
+            errors[(kernel, name, str(dtype))] = {
+                "forwards_in_backward": sum(forwards.values()) - before,
                 "out": (out - shard(ref)).abs().max().item(),
                 "dq": (ql.grad - shard(qs.grad)).abs().max().item(),
                 "dk": (kl.grad - shard(ks.grad)).abs().max().item(),
                 "dv": (vl.grad - shard(vs.grad)).abs().max().item(),
             }
+            pairs = ((out, ref), (ql.grad, qs.grad), (kl.grad, ks.grad), (vl.grad, vs.grad))
+            worst = max(((a - shard(b)).abs().max() / shard(b).abs().max()).item() for a, b in pairs)
+            relative[kernel, str(dtype)] = max(relative.get((kernel, str(dtype)), 0.0), worst)
+    cfg.kernel = "auto"
     lse = _lse_case(rank, world, cfg)
+    counted = dict(forwards)
     stats = cfg.transport.stats.sites
     calls = {site: stats[site].calls for site in ("qkv", "d_qkv", "mask")}
     registry = _registry_cases(rank, world, cfg)
     return {"errors": errors, "lse": lse, "calls": calls, "stock_mask_error": _stock_mask_error(rank, world, cfg),
-            "registry": registry}  # fmt: skip
+            "registry": registry, "kernel_forwards": counted, "relative": relative}  # fmt: skip
+
+
+def _count_kernel_forwards() -> dict[str, int]:
+    """Count each CPU kernel's forward calls (this spawned rank only): `pick` reads the registry at call time."""
+    import dataclasses
+
+    from train.cp import kernels
+
+    counts = {}
+    kernels.KERNELS["heads_major"] = dataclasses.replace(kernels.KERNELS["cpu_flash"], storage="bhsd")
+    for name in ("cpu_flash", "math", "heads_major"):
+        kernel = kernels.KERNELS[name]
+        counts[name] = 0
+
+        def forward(q, k, v, *args, _name=name, _fwd=kernel.forward, _storage=kernel.storage):
+            counts[_name] += 1
+            if _storage == "bhsd":
+                assert all(t.is_contiguous() for t in (q, k, v)), "heads-major storage expected"
+            else:
+                assert all(t.transpose(1, 2).is_contiguous() for t in (q, k, v)), "(B, S, H, D) storage expected"
+            return _fwd(q, k, v, *args)
+
+        kernels.KERNELS[name] = dataclasses.replace(kernel, forward=forward)
+    return counts
 
 
 def _registry_cases(rank: int, world: int, cfg) -> dict:
@@ -261,16 +302,29 @@ def _lse_case(rank: int, world: int, cfg) -> dict:
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ulysses_anything_matches_serial(group, world: int) -> None:
     results = group(_attention_cases, world)
+    print(f"\nUlysses CP {world}, {len(CASES)} cases: max relative error of out, dQ, dK, dV vs serial SDPA, per kernel")
+    for kernel, dtype in results[0]["relative"]:
+        worst = max(r["relative"][kernel, dtype] for r in results)
+        print(f"  {kernel:<12} {dtype:<14} {worst:.1e}")
     for rank, res in enumerate(results):
-        for (case, dtype), errs in res["errors"].items():
+        assert len(res["errors"]) == len(CASES) * 2 * len(KERNELS)
+        for (kernel, case, dtype), errs in res["errors"].items():
             tol = TOL[torch.float32 if "float32" in dtype else torch.float64]
+            tol *= 4 if kernel == "math" else 1  # fp32 einsums round in another order than SDPA's fused kernel
+            # The kernels' backward takes the saved output and LSE: no attention forward runs in it.
+            assert errs.pop("forwards_in_backward") == 0, (kernel, case, dtype)
             for what, err in errs.items():
-                assert err <= tol, f"world {world} rank {rank} {case} {dtype}: {what} error {err:.3g} > {tol}"
+                assert err <= tol, f"world {world} rank {rank} {kernel} {case} {dtype}: {what} error {err:.3g} > {tol}"
+        # Every forward of a rank that owns heads went through the kernel named (auto: CPU flash; +1: the LSE case).
+        owns = sum(split_sizes(H, world)[rank] > 0 for _, _, _, _, H, _, _ in CASES) * 2
+        counted = res["kernel_forwards"]
+        assert counted == {"cpu_flash": owns + 1, "math": owns, "heads_major": owns}, counted
         lse = res["lse"]
         assert lse["out"] <= 1e-12 and lse["lse"] <= 1e-12 and lse["dq"] <= 1e-12, lse
         assert not lse["lse_requires_grad"]
         # The CP path really ran: one fused Q/K/V all-to-all per forward and one dQ/dK/dV all-to-all per backward.
-        assert res["calls"] == {"qkv": 2 * len(CASES) + 1, "d_qkv": 2 * len(CASES) + 1, "mask": MASK_GATHERS}
+        n = 2 * len(CASES) * len(KERNELS) + 1
+        assert res["calls"] == {"qkv": n, "d_qkv": n, "mask": MASK_GATHERS * len(KERNELS)}
         # No size exchange, whether the registry identifies the layout or only bounds it; a masked call it cannot
         # identify: one per call in the first forward, then none; a wrong registry is caught by verify mode on every
         # rank alike. Output and dQ/dK/dV exact throughout.

@@ -208,6 +208,14 @@ class ParallelConfig(Section):
     timeout_s: Positive = 600
     """Seconds a collective may wait for the other ranks before the job fails with an error naming it (process-group
     timeout and the hang watchdog); long enough for a checkpoint save or a first compile."""
+    attention_kernel: Literal[
+        "auto", "backend", "cpu_flash", "cuda_cudnn", "flash_attn", "cuda_flash", "cuda_efficient", "math"
+    ] = "auto"
+    """The kernel the CP attention calls on the head-sharded Q/K/V, in the layout the all-to-all writes for it, its
+    backward taking the saved output and LSE (train/cp/kernels.py): auto = the fastest that runs the call on this
+    device (CPU: torch's CPU flash kernel; CUDA: cuDNN, flash-attn when installed, torch's flash, the memory-efficient
+    one for masked calls); backend = the op pair of model.attention_backend (diffusers'; its native pair recomputes
+    the attention forward in backward). cp: 1 runs model.attention_backend."""
     cp_transport: Literal["torch", "symm_mem"] = "torch"
     """CP all-to-all transport: torch (all_to_all_single) or symm_mem (intra-node CUDA, self-tested, else torch)."""
     cpu_offload: bool = False
@@ -285,6 +293,11 @@ class TrainConfig(Section):
     """Recompute transformer block activations in backward (less memory, about one more forward of compute)."""
     checkpoint_every: Positive = 1
     """With gradient_checkpointing: recompute every k-th block only (1 = every block; 2 = half of them, ...)."""
+    checkpoint_policy: Literal["full", "keep_attention", "keep_attention_matmul"] = "full"
+    """With gradient_checkpointing, what a recomputed block keeps from its forward: full = nothing (recompute it
+    all); keep_attention = the attention kernels' outputs (and LSE: the attention backward needs no forward again),
+    recomputing the cheap rest (norms, modulation, activations, projections, the CP all-to-alls); keep_attention_matmul
+    = the matmul outputs too (recompute only the elementwise work). Torch's selective activation checkpointing."""
     offload_activations: bool = False
     """Keep the tensors the blocks save for backward in (pinned) host memory instead of on the device."""
     compile: bool = False
@@ -317,6 +330,14 @@ class TrainConfig(Section):
     """The trained weights' dtype: fp32, or bf16 with each update stochastically rounded (torchao, seeded per step:
     exact on resume), which needs train.mixed_precision: bf16. Full fine-tuning then holds 8 bytes per parameter
     with adamw (6 with adamw_8bit) instead of 16 (every parameter bf16, norms too: FSDP2 trains one dtype)."""
+
+    @model_validator(mode="after")
+    def _policy(self) -> TrainConfig:
+        if self.checkpoint_policy != "full" and not self.gradient_checkpointing:
+            report([("checkpoint_policy", f"is {self.checkpoint_policy}, which says what checkpointed blocks keep, "
+                     "but gradient_checkpointing is false; set train.gradient_checkpointing: true, or "
+                     "checkpoint_policy: full")])  # fmt: skip
+        return self
 
     @model_validator(mode="after")
     def _master(self) -> TrainConfig:

@@ -595,7 +595,12 @@ def estimate(recipe: Recipe, world_size: int, device_type: str = "cuda", shape: 
     if recipe.model.attention_backend in SCORE_BACKENDS:  # probabilities saved per attention call: (B, H/cp, S, S)
         block += b * _eval(fit["scores"], tokens, text) * shape.heads / cp * elem
     recomputed = math.ceil(shape.n_blocks / t.checkpoint_every) if t.gradient_checkpointing else 0
-    saved = (shape.n_blocks - recomputed) * block + recomputed * b * _eval(fit["input"], n, text) * inner
+    kept = b * _eval(fit["input"], n, text) * inner  # a recomputed block saves its input
+    if t.checkpoint_policy == "keep_attention":  # + each attention call's output (up to 2 a block: Wan's self and
+        kept += 2 * b * n * inner * elem  # cross attention; the LSE is 1/head_dim of it)
+    elif t.checkpoint_policy == "keep_attention_matmul":  # keeps nearly everything a block saves: bounded by it
+        kept = block
+    saved = (shape.n_blocks - recomputed) * block + recomputed * kept
     work = max(0.0, b * _eval(fit["work_ckpt" if recomputed else "work"], n, text) * width)  # fits can dip below 0
     host: dict[str, float] = {}
     if t.offload_activations and cuda:  # saved block tensors live in host memory; one block's come back at a time
@@ -665,6 +670,12 @@ def _device_overheads(
     return peak * (1 + ALLOCATOR_RESERVE) + sum(base.values()), first * (1 + ALLOCATOR_RESERVE) + sum(base.values())
 
 
+def _checkpointing(t) -> str:
+    if not t.gradient_checkpointing:
+        return "off"
+    return f"every {t.checkpoint_every}" + ("" if t.checkpoint_policy == "full" else f" ({t.checkpoint_policy})")
+
+
 def _layout(recipe: Recipe, world_size: int, offload: bool) -> str:
     """The breakdown's first line: degrees, method, checkpointing, optimizer and the levers on."""
     t = recipe.train
@@ -672,7 +683,7 @@ def _layout(recipe: Recipe, world_size: int, offload: bool) -> str:
     levers = [("offload activations", t.offload_activations), ("CPU offload", offload),
               ("fp8 base", recipe.finetune.fp8_base)]  # fmt: skip
     return (f"{world_size} ranks: dp_replicate {rep} × dp_shard {shard} × cp {cp}; {recipe.finetune.method}; "
-            f"checkpointing {'every ' + str(t.checkpoint_every) if t.gradient_checkpointing else 'off'}; "
+            f"checkpointing {_checkpointing(t)}; "
             f"{optim.describe(t.optimizer, t.master_weights).split(' (')[0]}"
             + "".join(f"; {name}" for name, on in levers if on))  # fmt: skip
 

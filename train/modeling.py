@@ -389,10 +389,12 @@ def build_model(
         check_replicated([digest, *lora.values()], what="sources of the initial weights (checkpoint, LoRA init)")
     parallel = parallelize(
         model, mesh, cp_plan=cfg.cp_plan, gradient_checkpointing=t.gradient_checkpointing,
-        checkpoint_every=t.checkpoint_every, offload_activations=t.offload_activations, compile=t.compile,
+        checkpoint_every=t.checkpoint_every, checkpoint_policy=t.checkpoint_policy,
+        offload_activations=t.offload_activations, compile=t.compile,
         fsdp=recipe.parallel.fsdp, reshard_after_forward=recipe.parallel.reshard_after_forward,
         param_dtype=torch.bfloat16 if device.type == "cuda" and t.mixed_precision != "no" else None,
-        cp_transport=recipe.parallel.cp_transport, cpu_offload=recipe.parallel.cpu_offload,
+        cp_transport=recipe.parallel.cp_transport, attention_kernel=recipe.parallel.attention_kernel,
+        cpu_offload=recipe.parallel.cpu_offload,
     )  # fmt: skip
     if sharded:  # FSDP2's offload keeps the shards in host memory: they are allocated there
         materialize(model, device, params_on=torch.device("cpu") if recipe.parallel.cpu_offload else device)

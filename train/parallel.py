@@ -10,7 +10,7 @@ sharding over them too saves memory) and replicates over dp_replicate.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .cp import ContextParallelState, enable_context_parallel
+from .cp.layout import LayoutRegistry
 from .cp.reduce import GradReduction
 
 
@@ -114,24 +115,81 @@ def check_replicated(tensors: Iterable[torch.Tensor], what: str = "initial weigh
                            "give every node the same checkpoint)")  # fmt: skip
 
 
+# The ops whose outputs selective checkpointing keeps (`train.checkpoint_policy`): every attention kernel the serial
+# model or the CP path calls (kernels.py; diffusers' native backend reaches the same aten ops), then the matmuls.
+_ATTENTION_OPS = (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable",
+)  # fmt: skip
+_MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm")
+
+
+def _kept_ops(policy: str) -> set:
+    names = _ATTENTION_OPS + (_MATMUL_OPS if policy == "keep_attention_matmul" else ())
+    ops = {getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)}
+    if hasattr(torch.ops, "flash_attn") and hasattr(torch.ops.flash_attn, "_flash_attn_forward"):
+        ops.add(torch.ops.flash_attn._flash_attn_forward.default)  # flash-attn >= 2.7 registers its ops
+    return ops
+
+
+@contextmanager
+def _entered(contexts: list):
+    with ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        yield
+
+
+def checkpoint_contexts(policy: str, layout: LayoutRegistry | None):
+    """`checkpoint`'s context_fn, or None for a plain checkpoint. With CP, the recompute replays the layout registry
+    its forward saw (layout.py: no size exchange in the recompute). A selective `policy` keeps the outputs of the
+    listed ops from the forward (with the CP attention: the kernel's output and LSE, which its backward takes) and
+    recomputes the rest (norms, modulation, activations, the all-to-alls, re-issued in the same order on every rank):
+    torch's selective checkpointing, which needs the recompute to run the forward's ops, hence the replayed registry."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    if policy == "full" and layout is None:
+        return None
+    kept = _kept_ops(policy) if policy != "full" else set()
+
+    def decide(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def context_fn():
+        pairs = [layout.checkpoint_contexts()] if layout is not None else []
+        pairs += [create_selective_checkpoint_contexts(decide)] if kept else []
+        return _entered([f for f, _ in pairs]), _entered([r for _, r in pairs])
+
+    return context_fn
+
+
 def apply_activation_levers(
-    blocks: list[torch.nn.Module], checkpoint_every: int | None, offload: bool, compile: bool
+    blocks: list[torch.nn.Module],
+    checkpoint_every: int | None,
+    offload: bool,
+    compile: bool,
+    policy: str = "full",
+    layout: LayoutRegistry | None = None,
 ) -> list[int]:
     """Wrap each block's forward (under FSDP's hooks, over the CP hooks): recompute every `checkpoint_every`-th
     block in backward (non-reentrant: the recompute re-issues the block's all-to-alls in the same order on every
-    rank), keep the tensors the blocks save in host memory (`save_on_cpu`), then torch.compile the result per
-    block. Returns the indices of the recomputed blocks."""
+    rank), all of it ("full") or all but the outputs a selective `policy` keeps (`checkpoint_contexts`; `layout`:
+    the CP model's registry, replayed in the recompute), keep the tensors the blocks save in host memory
+    (`save_on_cpu`), then torch.compile the result per block. Returns the indices of the recomputed blocks."""
     from torch.autograd.graph import save_on_cpu
     from torch.utils.checkpoint import checkpoint
 
     recomputed = [i for i in range(len(blocks)) if checkpoint_every and i % checkpoint_every == 0]
+    context_fn = checkpoint_contexts(policy, layout)
+    extra = {} if context_fn is None else {"context_fn": context_fn}
     for i, block in enumerate(blocks):
         inner = block.forward  # the CP-hooked forward, when CP is on
 
         def forward(*args, _inner=inner, _recompute=i in recomputed, **kwargs):
             with save_on_cpu(pin_memory=torch.cuda.is_available()) if offload else nullcontext():
                 if _recompute and torch.is_grad_enabled():
-                    return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+                    return checkpoint(_inner, *args, use_reentrant=False, **extra, **kwargs)
                 return _inner(*args, **kwargs)
 
         if checkpoint_every or offload or compile:
@@ -155,19 +213,21 @@ def parallelize(
     gradient_checkpointing: bool,
     fsdp: bool,
     checkpoint_every: int = 1,
+    checkpoint_policy: str = "full",
     offload_activations: bool = False,
     compile: bool = False,
     reshard_after_forward: bool,
     param_dtype: torch.dtype | None,
     cp_transport: str = "torch",
+    attention_kernel: str = "auto",
     cpu_offload: bool = False,
 ) -> Parallelized:
     """Apply, in this order (each step needs the previous one in place):
 
     1. CP hooks (diffusers' split/gather hooks + our trainable Ulysses / ring attention): they wrap module forwards
        by name, so they must see the original modules, before checkpoint or FSDP wrappers hide or replace them.
-    2. Activation levers, per block: checkpointing (every k-th block; the recompute re-issues the same all-to-alls
-       in the same order on every rank) and offload of saved activations to host memory.
+    2. Activation levers, per block: checkpointing (every k-th block, whole or selective; the recompute re-issues
+       the same all-to-alls in the same order on every rank) and offload of saved activations to host memory.
     3. torch.compile of each block's (checkpointed) forward: after checkpointing so the recompute is compiled too,
        before FSDP so FSDP's hooks stay outside the compiled region. The CP attention (its all-to-alls and
        backend op, a custom autograd function) is left out of the graph: a graph break at the attention op.
@@ -183,9 +243,11 @@ def parallelize(
         check_replicated(model.parameters())
     cp = None
     if mesh.dims.cp > 1:
-        cp = enable_context_parallel(model, mesh=mesh.cp, plan=cp_plan, for_training=True, transport=cp_transport)
+        cp = enable_context_parallel(model, mesh=mesh.cp, plan=cp_plan, for_training=True, transport=cp_transport,
+                                     kernel=attention_kernel)  # fmt: skip
     apply_activation_levers(repeated_blocks(model), checkpoint_every if gradient_checkpointing else None,
-                            offload=offload_activations, compile=compile)  # fmt: skip
+                            offload=offload_activations, compile=compile, policy=checkpoint_policy,
+                            layout=cp.layout if cp is not None else None)  # fmt: skip
     dp_group = mesh.dp.get_group() if mesh.dims.dp > 1 else None
     if fsdp:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard

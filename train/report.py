@@ -207,7 +207,9 @@ def _recipe(run: Run, dp: int) -> list[str]:
     model = f"`{r.model.pretrained_path}` ({r.model.subfolder})" if r.model.pretrained_path else "random init"
     method = f"LoRA (rank {ft.lora_rank}, alpha {ft.lora_alpha:g})" if ft.method == "lora" else "full fine-tuning"
     levers = [
-        f"gradient checkpointing (every {t.checkpoint_every} block)" if t.gradient_checkpointing else None,
+        f"gradient checkpointing (every {t.checkpoint_every} block, {t.checkpoint_policy})"
+        if t.gradient_checkpointing
+        else None,
         "activation offload" if t.offload_activations else None,
         "torch.compile" if t.compile else None,
     ]

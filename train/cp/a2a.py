@@ -19,11 +19,17 @@ from dataclasses import dataclass
 
 import torch
 
+from train.errors import UserError
+
 from .comm import TorchTransport, all_gather_uneven, exchange_ints
+from .kernels import pick
 from .layout import LayoutRegistry, split_sizes
 from .state import ContextParallelState
 
-__all__ = ["Layout", "Rider", "heads_to_seq", "model_state", "offsets", "own_heads", "qkv_to_heads", "seq_to_heads"]
+__all__ = [
+    "Layout", "Rider", "attention_kernel", "heads_to_seq", "model_state", "offsets", "own_heads", "qkv_to_heads",
+    "seq_to_heads",
+]  # fmt: skip
 
 
 def offsets(sizes: list[int]) -> list[int]:
@@ -83,8 +89,11 @@ def seq_to_heads(
     transport: TorchTransport,
     site: str,
     riders: list[Rider] = (),
+    heads_major: bool = False,
 ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
     """(B, s_r, H, D_t) per tensor → (B, S_t, h_r, D_t): scatter heads, gather sequence, one all-to-all for all.
+    `heads_major`: assemble (B, h_r, S_t, D_t) instead, the storage a heads-major kernel reads (kernels.py): the
+    transposition happens in the one copy that assembles the received blocks, so none runs before the kernel.
 
     `riders` travel in the same all-to-all: each rank gets each rank's piece for it (returned per rider, one piece
     per source rank). That is how a split key mask (per head: only the heads the destination owns), or each rank's
@@ -131,13 +140,28 @@ def seq_to_heads(
             n = rd.sizes[i][r]
             rode[t].append(recv[pos : pos + n])
             pos += n
-    return [torch.cat(p, dim=1) for p in pieces], rode
+    if not heads_major:
+        return [torch.cat(p, dim=1) for p in pieces], rode
+    out = []
+    for p in pieces:
+        y = p[0].new_empty((B, heads[r], sum(b.shape[1] for b in p), p[0].shape[-1]))
+        for off, b in zip(offsets([b.shape[1] for b in p]), p):
+            y[:, :, off : off + b.shape[1]].copy_(b.transpose(1, 2))
+        out.append(y)
+    return out, rode
 
 
 def heads_to_seq(
-    xs: list[torch.Tensor], seq_sizes: list[tuple[int, ...]], lay: Layout, group, transport: TorchTransport, site: str
+    xs: list[torch.Tensor],
+    seq_sizes: list[tuple[int, ...]],
+    lay: Layout,
+    group,
+    transport: TorchTransport,
+    site: str,
+    heads_major: bool = False,
 ):
-    """(B, S_t, h_r, D_t) per tensor → (B, s_r, H, D_t): the inverse of `seq_to_heads`."""
+    """(B, S_t, h_r, D_t) per tensor → (B, s_r, H, D_t): the inverse of `seq_to_heads`. `heads_major`: the tensors
+    are (B, h_r, S_t, D_t) (any strides: a kernel's output as it wrote it), read straight into the send buffer."""
     r, heads = lay.rank, lay.heads
     dtype, device = xs[0].dtype, xs[0].device
     B = xs[0].shape[0]
@@ -149,7 +173,8 @@ def heads_to_seq(
     pos = 0
     for j in range(lay.world):
         for x, sizes, off in zip(xs, seq_sizes, offs):
-            blk = x[:, off[j] : off[j] + sizes[j]]
+            blk = x.narrow(2 if heads_major else 1, off[j], sizes[j])
+            blk = blk.transpose(1, 2) if heads_major else blk
             send[pos : pos + blk.numel()].view(blk.shape).copy_(blk)
             pos += blk.numel()
     out_splits = [
@@ -250,15 +275,16 @@ def _pad_seq(x: torch.Tensor, n: int) -> torch.Tensor:
     return x if x.shape[1] == n else torch.cat([x, x.new_zeros((x.shape[0], n - x.shape[1], *x.shape[2:]))], dim=1)
 
 
-def _trim_seq(x: torch.Tensor, chunks: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
-    """Keep the first `sizes[i]` of each source's `chunks[i]` rows (drop the padding)."""
+def _trim_seq(x: torch.Tensor, chunks: tuple[int, ...], sizes: tuple[int, ...], dim: int = 1) -> torch.Tensor:
+    """Keep the first `sizes[i]` of each source's `chunks[i]` rows along `dim` (drop the padding)."""
     if chunks == sizes:
         return x
-    return torch.cat([x.narrow(1, off, n) for off, n in zip(offsets(list(chunks)), sizes)], dim=1)
+    return torch.cat([x.narrow(dim, off, n) for off, n in zip(offsets(list(chunks)), sizes)], dim=dim)
 
 
-def qkv_to_heads(query, key, value, attn_mask, group, world: int, rank: int, layout, transport):
-    """The forward's one Q/K/V all-to-all. Returns head-sharded q, k, v, the mask in the global layout, the layout.
+def qkv_to_heads(query, key, value, attn_mask, group, world: int, rank: int, layout, transport, heads_major=False):
+    """The forward's one Q/K/V all-to-all. Returns head-sharded q, k, v ((B, S, h_r, D), or (B, h_r, S, D) with
+    `heads_major`), the mask in the global layout, the layout.
 
     Every rank's local lengths come from the layout registry (layout.py), identical on every rank and without a
     collective; never from a cache keyed by local length (that is how ranks hang). When the registry can only bound
@@ -279,22 +305,21 @@ def qkv_to_heads(query, key, value, attn_mask, group, world: int, rank: int, lay
     if exact:
         lay = Layout(rank, world, tuple(r[0] for r in rows), tuple(r[1] for r in rows), heads)
         riders = _mask_rider(attn_mask, rows, lay, query.dtype)
-        (q, k, v), rode = seq_to_heads(
-            [query, key, value], [lay.q_sizes, lay.kv_sizes, lay.kv_sizes], lay, group, transport, "qkv", riders
-        )
+        (q, k, v), rode = seq_to_heads([query, key, value], [lay.q_sizes, lay.kv_sizes, lay.kv_sizes], lay, group,
+                                       transport, "qkv", riders, heads_major)  # fmt: skip
         keys = _mask_keys(attn_mask, rode[0], lay) if riders else None
         return q, k, v, _assemble_mask(attn_mask, rows, lay, group, transport, keys), lay
     q_cap, kv_cap = tuple(r[0] for r in rows), tuple(r[1] for r in rows)
     padded = Layout(rank, world, q_cap, kv_cap, heads)
     header = _encode(values, query.dtype, query.device)
     xs = [_pad_seq(query, q_cap[rank]), _pad_seq(key, kv_cap[rank]), _pad_seq(value, kv_cap[rank])]
-    (q, k, v), rode = seq_to_heads(
-        xs, [q_cap, kv_cap, kv_cap], padded, group, transport, "qkv", [Rider.whole(header, (header.numel(),) * world)]
-    )
+    rider = [Rider.whole(header, (header.numel(),) * world)]
+    (q, k, v), rode = seq_to_heads(xs, [q_cap, kv_cap, kv_cap], padded, group, transport, "qkv", rider, heads_major)
     lens = [_decode(piece) for piece in rode[0]]
     lay = Layout(rank, world, tuple(r[0] for r in lens), tuple(r[1] for r in lens), heads)
-    q = _trim_seq(q, q_cap, lay.q_sizes)
-    k, v = (_trim_seq(t, kv_cap, lay.kv_sizes) for t in (k, v))
+    dim = 2 if heads_major else 1
+    q = _trim_seq(q, q_cap, lay.q_sizes, dim)
+    k, v = (_trim_seq(t, kv_cap, lay.kv_sizes, dim) for t in (k, v))
     return q, k, v, None, lay
 
 
@@ -304,3 +329,19 @@ def model_state(parallel_config) -> tuple[LayoutRegistry | None, TorchTransport]
     if isinstance(parallel_config, ContextParallelState):
         return parallel_config.layout, parallel_config.transport
     return None, TorchTransport()
+
+
+def attention_kernel(parallel_config, query: torch.Tensor, mask, is_causal: bool, enable_gqa: bool):
+    """The kernel (kernels.py) a CP attention call runs, or None for the backend's own op pair: what the model's CP
+    state names ("backend" with a plain diffusers `ParallelConfig`). The kernels do neither causal attention nor
+    GQA: `auto` leaves such a call to the backend op, a named kernel refuses it. Decided from what every rank of the
+    group shares (device type, dtype, whether there is a mask): the same on every rank, before any collective."""
+    name = parallel_config.kernel if isinstance(parallel_config, ContextParallelState) else "backend"
+    if name == "backend":
+        return None
+    if is_causal or enable_gqa:
+        if name == "auto":
+            return None
+        raise UserError(f"parallel.attention_kernel {name} does no causal or grouped-query attention, which this "
+                        "model asks for; set parallel.attention_kernel: auto or backend")  # fmt: skip
+    return pick(name, query.device, query.dtype, mask is not None, query.shape[-1])

@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from train.errors import UserError
 
 from .comm import TorchTransport
+from .kernels import check as check_kernel
 from .plans import (
     CPPlanSpec,
     load_plan_file,
@@ -243,6 +244,7 @@ def enable_context_parallel(
     plan: CPPlanSpec | str | os.PathLike | dict | None = None,
     for_training: bool | None = None,
     transport: str | TorchTransport = "torch",
+    kernel: str = "auto",
 ) -> ContextParallelState:
     """Enable trainable Ulysses-Anything, Ring-Anything or hybrid ring x Ulysses CP on a diffusers `ModelMixin`;
     returns the model's `ContextParallelState`.
@@ -265,12 +267,15 @@ def enable_context_parallel(
         transport: "torch" (all_to_all_single, everywhere) or "symm_mem" (intra-node CUDA symmetric memory after a
             self-test, else torch with the reason said once); set up on the CP subgroup only. Or another model's
             `state.transport`, to share one symmetric-memory buffer (and its stats) between two models.
+        kernel: the attention kernel the CP attention calls (kernels.py): "auto" (the fastest that runs each call on
+            this device), a kernel's name, or "backend" (the op pair of the model's diffusers attention backend).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed must be initialised before enable_context_parallel")
     if getattr(model, "_parallel_config", None) is not None:  # diffusers' attribute, None until parallelism is on
         raise RuntimeError(f"parallelism is already enabled on this {type(model).__name__}")
 
+    check_kernel(kernel, torch.device(cp_device_type()))
     spec = _resolve_plan(model, plan)
     validate_plan(spec, model)
     problems = training_problems(spec, model)
@@ -286,7 +291,7 @@ def enable_context_parallel(
     if mesh["ring"].size() * mesh["ulysses"].size() < 2:
         raise ValueError("a CP degree of 1 needs no context parallelism; do not call enable_context_parallel")
     state = ContextParallelState.on_mesh(mesh, transport=transport, plan=spec, problems=tuple(problems),
-                                         scope=type(model).__name__)  # fmt: skip
+                                         scope=type(model).__name__, kernel=kernel)  # fmt: skip
     # diffusers' own attributes: its attention dispatch hands a processor's `_parallel_config` to the Ulysses
     # function, which reads the model's registry and transport from it.
     model._parallel_config = state

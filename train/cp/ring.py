@@ -54,56 +54,26 @@ import torch.distributed as dist
 
 from train.errors import UserError
 
-from .a2a import heads_to_seq, model_state, offsets, own_heads, qkv_to_heads, seq_to_heads
+from .a2a import attention_kernel, heads_to_seq, model_state, offsets, own_heads, qkv_to_heads, seq_to_heads
 from .comm import TorchTransport, exchange_ints
+from .kernels import KERNELS, Kernel
+from .kernels import acc_dtype as _acc_dtype
+from .kernels import as_bias as _bias
 from .masks import normalise_mask, place_mask
 
 __all__ = ["RingAnythingAttention", "math_attention_backward_op", "math_attention_forward_op", "ring_ulysses_attention"]
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """A mask as an additive bias in the query dtype: bool keep-masks → 0 / -inf (exact), additive masks cast."""
-    if mask is None:
-        return None
-    if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-    return mask.to(dtype)
-
-
-# -- block attention: math ------------------------------------------------------------------------------------------
-
-
 def _math_forward(q, k, v, bias, scale):
     """(B, Sq, H, D) × (B, Skv, H, D) → out (B, Sq, H, Dv) in q's dtype, lse (B, Sq, H) in the accumulation dtype."""
-    acc = _acc_dtype(q.dtype)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.to(acc), k.to(acc)) * scale
-    if bias is not None:
-        s = s + bias.to(acc)
-    lse = s.logsumexp(-1)  # (B, H, Sq); -inf where every key is masked
-    p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
-    out = torch.einsum("bhqk,bkhd->bqhd", p, v.to(acc))
-    return out.to(q.dtype), lse.transpose(1, 2)
+    out, lse, _ = KERNELS["math"].forward(*(t.transpose(1, 2) for t in (q, k, v)), bias, scale)
+    return out.transpose(1, 2), lse.transpose(1, 2)
 
 
 def _math_backward(dout, q, k, v, out, lse, bias, scale):
-    """The attention backward given the (merged) out and LSE: P = exp(S - LSE), D = rowsum(dO · O)."""
-    acc = _acc_dtype(q.dtype)
-    q_, k_, v_, do = (t.to(acc) for t in (q, k, v, dout))
-    s = torch.einsum("bqhd,bkhd->bhqk", q_, k_) * scale
-    if bias is not None:
-        s = s + bias.to(acc)
-    p = torch.exp(s - lse.to(acc).transpose(1, 2)[..., None])
-    dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
-    dp = torch.einsum("bqhd,bkhd->bhqk", do, v_)
-    d = (do * out.to(acc)).sum(-1).transpose(1, 2)  # (B, H, Sq)
-    ds = p * (dp - d[..., None])
-    dq = torch.einsum("bhqk,bkhd->bqhd", ds, k_) * scale
-    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q_) * scale
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    return tuple(g.transpose(1, 2) for g in KERNELS["math"].backward(t(dout), t(q), t(k), t(v), t(out), t(lse), bias,
+                                                                      scale, ()))  # fmt: skip
 
 
 def math_attention_forward_op(
@@ -141,28 +111,21 @@ class _OpCtx:
         self.saved_tensors = tensors
 
 
-class _TorchOps:
-    """diffusers' `native` backend has no LSE: torch's CPU flash kernel on CPU, the math attention elsewhere."""
+class _KernelOps:
+    """A kernel of kernels.py on the ring's (B, S, H, D) blocks, through transposed views (no copy for its
+    "bshd" kernels; cuDNN's wrapper copies to heads-major). Each block's forward returns its kernel context (RNG
+    state, sequence offsets: a few scalars), which the ring keeps for that block's backward."""
 
-    def __init__(self, scale: float, device: torch.device) -> None:
-        self.scale, self.cpu = scale, device.type == "cpu"
+    def __init__(self, kernel: Kernel, scale: float) -> None:
+        self.kernel, self.scale = kernel, scale
 
     def forward(self, q, k, v, bias):
-        if not self.cpu:
-            return _math_forward(q, k, v, bias, self.scale)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=bias, scale=self.scale
-        )
-        return out.transpose(1, 2), lse.transpose(1, 2)
+        out, lse, aux = self.kernel.forward(*(t.transpose(1, 2) for t in (q, k, v)), bias, self.scale)
+        return out.transpose(1, 2), lse.transpose(1, 2), aux
 
-    def backward(self, dout, q, k, v, out, lse, bias):
-        if not self.cpu:
-            return _math_backward(dout, q, k, v, out, lse, bias, self.scale)
-        dout, q, k, v, out = (t.transpose(1, 2) for t in (dout, q, k, v, out))
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse.transpose(1, 2).contiguous(), 0.0, False, attn_mask=bias, scale=self.scale
-        )
+    def backward(self, dout, q, k, v, out, lse, bias, aux):
+        t = lambda x: x.transpose(1, 2)  # noqa: E731
+        grads = self.kernel.backward(t(dout), t(q), t(k), t(v), t(out), t(lse).contiguous(), bias, self.scale, aux)
         return tuple(g.transpose(1, 2) for g in grads)
 
 
@@ -179,9 +142,9 @@ class _BackendOps:
         return out, lse.squeeze(-1) if lse.dim() == 4 else lse
 
     def forward(self, q, k, v, bias):
-        return self._run(_OpCtx(), q, k, v, bias, save=False)
+        return (*self._run(_OpCtx(), q, k, v, bias, save=False), None)
 
-    def backward(self, dout, q, k, v, out, lse, bias):
+    def backward(self, dout, q, k, v, out, lse, bias, aux):
         # The op's context (sequence lengths, RNG state) belongs to one block: re-run this block's forward to fill it.
         ctx = _OpCtx()
         self._run(ctx, q, k, v, bias, save=True)
@@ -189,12 +152,17 @@ class _BackendOps:
         return dq, dk, dv
 
 
-def _block_ops(forward_op, backward_op, scale: float, parallel_config, device: torch.device):
+def _block_ops(forward_op, backward_op, scale: float, parallel_config, query: torch.Tensor, bias):
+    """The model's CP kernel (kernels.py); with "backend", the backend's LSE op pair, except diffusers' `native` pair,
+    which returns no LSE: torch's CPU flash kernel on CPU, the math kernel elsewhere."""
     from diffusers.models import attention_dispatch
 
-    if forward_op is attention_dispatch._native_attention_forward_op:
-        return _TorchOps(scale, device)
-    return _BackendOps(forward_op, backward_op, scale, parallel_config)
+    kernel = attention_kernel(parallel_config, query, bias, False, False)
+    if kernel is None and forward_op is attention_dispatch._native_attention_forward_op:
+        kernel = KERNELS["cpu_flash" if query.device.type == "cpu" else "math"]
+    if kernel is None:
+        return _BackendOps(forward_op, backward_op, scale, parallel_config)
+    return _KernelOps(kernel, scale)
 
 
 # -- the ring -------------------------------------------------------------------------------------------------------
@@ -327,6 +295,7 @@ class _Ring:
         buf = self._pack(k, v, own_piece) if lay.world > 1 else None
         kj, vj, mj = k, v, own_piece
         out = lse = None
+        self.aux = []  # each block's kernel context, for its backward
         for t in range(lay.world):
             j = lay.block(t)
             works = None
@@ -335,7 +304,8 @@ class _Ring:
                 recv = buf.new_empty(nxt)
                 works = _shift([buf], [recv], self.group, self.transport, "ring_kv")
             b = self._block_bias(bias, mj, j)
-            o, s = self.ops.forward(q, kj, vj, b)
+            o, s, aux = self.ops.forward(q, kj, vj, b)
+            self.aux.append(aux)
             o, s = o.to(acc), s.to(acc)
             dead = self._dead_rows(b)
             if dead is not None:
@@ -362,7 +332,7 @@ class _Ring:
         kj, vj, mj = k, v, bias if lay.mask == "travel" else None
         for t in range(lay.world):
             b = self._block_bias(bias, mj, lay.block(t))
-            gq, gk, gv = self.ops.backward(dout, q, kj, vj, out, lse, b)
+            gq, gk, gv = self.ops.backward(dout, q, kj, vj, out, lse, b, self.aux[t])
             dq += gq
             grads = torch.cat([gk.reshape(-1), gv.reshape(-1)]).to(acc)
             if t == 0:
@@ -457,7 +427,7 @@ class RingAnythingAttention(torch.autograd.Function):
         scale = query.shape[-1] ** -0.5 if scale is None else scale
         bias = _bias(attn_mask, query.dtype)
         lay = _ring_layout(query, key, bias, group, transport)
-        ops = _block_ops(forward_op, backward_op, scale, _parallel_config, query.device)
+        ops = _block_ops(forward_op, backward_op, scale, _parallel_config, query, bias)
         ring = _Ring(lay, ops, group, transport)
         q, k, v = (t.contiguous() for t in (query, key, value))
         out, lse = ring.forward(q, k, v, bias)

@@ -7,7 +7,9 @@ dispatch hands to the Ulysses function on every call), extended with what our CP
 - `layout`: the model's layout registry (layout.py): the splits of its current forward and its remembered tables;
 - `transport`: its all-to-all transport (comm.py), counting what the model sends in `transport.stats`;
 - `problems`: why the model cannot train under CP (empty when it can); the startup guard refuses training forwards;
-- `scope`: the model's name in messages.
+- `scope`: the model's name in messages;
+- `kernel`: the attention kernel its CP attention calls (kernels.py: "auto", a kernel's name, or "backend" for the
+  op pair of the model's diffusers attention backend).
 
 Nothing of it lives in a module: two models enabled in one process (a transformer and a second expert) hold two
 states, and their forwards, backwards and recomputes may interleave in any order.
@@ -54,6 +56,7 @@ class ContextParallelState(ParallelConfig):
     scope: str = ""
     layout: LayoutRegistry | None = None  # default: a new registry named `scope`
     transport: TorchTransport | None = None  # default: a new plain torch transport with its own stats
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -71,6 +74,7 @@ class ContextParallelState(ParallelConfig):
         plan: CPPlanSpec | None = None,
         problems: tuple[str, ...] = (),
         scope: str = "",
+        kernel: str = "auto",
     ) -> ContextParallelState:
         """CP on a ("ring", "ulysses") mesh, set up without `ModelMixin.enable_parallelism` (which dies on CPU).
         Every rank of the mesh calls this together (the transport may self-test on the group).
@@ -88,7 +92,8 @@ class ContextParallelState(ParallelConfig):
         device = local_device(mesh.device_type)
         if not isinstance(transport, TorchTransport):
             transport = select_transport(transport, mesh["ulysses"].get_group(), device)
-        state = cls(context_parallel_config=cp, plan=plan, problems=tuple(problems), scope=scope, transport=transport)
+        state = cls(context_parallel_config=cp, plan=plan, problems=tuple(problems), scope=scope, transport=transport,
+                    kernel=kernel)  # fmt: skip
         state.setup(dist.get_rank(), dist.get_world_size(), device, mesh=mesh)
         return state
 

@@ -9,6 +9,11 @@ The all-to-all, its layout and the mask riding in it are a2a.py's (the ring x Ul
 mask's key order is masks.py's. Per-model state: the function reads the model's layout registry and transport from
 the `_parallel_config` diffusers passes it, the model's `ContextParallelState` (state.py). With parallelism enabled
 through diffusers' own API that is a plain `ParallelConfig`: then every call exchanges sizes, through a plain transport.
+
+The attention between the two all-to-alls: the model's kernel (`parallel.attention_kernel`, kernels.py), called on
+Q/K/V in the storage the all-to-all wrote for it, its output read back from the storage it wrote, its backward given
+the saved output and LSE (no forward in the backward); with "backend" (and with a plain `ParallelConfig`) the op pair
+diffusers passes in, as diffusers' own templated attention calls it.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ import torch.distributed as dist
 from train.errors import UserError
 
 from . import patch
-from .a2a import heads_to_seq, model_state, qkv_to_heads, seq_to_heads
+from .a2a import attention_kernel, heads_to_seq, model_state, qkv_to_heads, seq_to_heads
 from .comm import TorchTransport, all_gather_uneven, exchange_ints
+from .kernels import Kernel, as_bias
 from .layout import LayoutRegistry
 from .masks import normalise_mask, place_mask
 
@@ -42,7 +48,12 @@ class UlyssesAnythingAttention(torch.autograd.Function):
             )
         parallel_config = args[2] if len(args) > 2 else kw.get("_parallel_config")
         attn_mask = place_mask(normalise_mask(attn_mask, query.shape[2]), key.shape[1], parallel_config)
-        return super().apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, *args)
+        # the kernels draw no dropout: an inference call with dropout (training refuses it above) keeps the backend op
+        kernel = None if dropout_p else attention_kernel(parallel_config, query, attn_mask, is_causal, enable_gqa)
+        forward_op = args[0] if args else kw["forward_op"]
+        backward_op = args[1] if len(args) > 1 else kw["backward_op"]
+        return super().apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                             forward_op, backward_op, parallel_config, kernel)  # fmt: skip
 
     @staticmethod
     def forward(
@@ -59,14 +70,20 @@ class UlyssesAnythingAttention(torch.autograd.Function):
         forward_op,
         backward_op,
         _parallel_config=None,
+        kernel: Kernel | None = None,
     ):
         group = _parallel_config.context_parallel_config._ulysses_mesh.get_group()
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         layout, transport = model_state(_parallel_config)
-        q, k, v, attn_mask, lay = qkv_to_heads(query, key, value, attn_mask, group, world, rank, layout, transport)
+        heads_major = kernel is not None and kernel.storage == "bhsd"
+        q, k, v, attn_mask, lay = qkv_to_heads(query, key, value, attn_mask, group, world, rank, layout, transport,
+                                               heads_major)  # fmt: skip
 
         ctx.forward_op, ctx.backward_op, ctx._parallel_config = forward_op, backward_op, _parallel_config
         ctx.layout, ctx.group, ctx.transport, ctx.empty = lay, group, transport, lay.heads[rank] == 0
+        ctx.kernel = kernel
+        if kernel is not None:
+            return _kernel_forward(ctx, kernel, q, k, v, attn_mask, scale, return_lse)
         if ctx.empty:  # fewer heads than ranks: this rank attends over nothing but still joins every collective
             out = q.new_empty((*q.shape[:-1], v.shape[-1]))
             lse = q.new_empty(q.shape[:-1], dtype=torch.float32) if return_lse else None
@@ -90,6 +107,8 @@ class UlyssesAnythingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, *_grad_lse):
         lay, group, transport = ctx.layout, ctx.group, ctx.transport
+        if ctx.kernel is not None:
+            return _kernel_backward(ctx, grad_out)
         (d_out,), _ = seq_to_heads([grad_out], [lay.q_sizes], lay, group, transport, "d_out")
         if ctx.empty:
             dq = d_out.new_empty(d_out.shape[:-1] + (ctx.kv_shapes[0][-1],))
@@ -98,7 +117,46 @@ class UlyssesAnythingAttention(torch.autograd.Function):
             dq, dk, dv, *_ = ctx.backward_op(ctx, d_out)
         seq = [lay.q_sizes, lay.kv_sizes, lay.kv_sizes]
         dq, dk, dv = heads_to_seq([dq, dk, dv], seq, lay, group, transport, "d_qkv")
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, *(None,) * 10
+
+
+def _kernel_forward(ctx, kernel: Kernel, q, k, v, mask, scale, return_lse: bool):
+    """One kernel call on the head-sharded Q/K/V as the all-to-all delivered them (kernels.py: logical (B, h, S, D),
+    in the storage the kernel reads); its output and LSE are saved for the backward, which then runs no forward."""
+    lay, group, transport = ctx.layout, ctx.group, ctx.transport
+    if kernel.storage == "bshd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    bias = as_bias(mask, q.dtype)
+    if ctx.empty:
+        out, lse, aux = q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=torch.float32), ()
+    else:
+        out, lse, aux = kernel.forward(q, k, v, bias, scale)
+    ctx.save_for_backward(q, k, v, out, lse, bias)
+    ctx.scale, ctx.aux = scale, aux
+    (o,) = heads_to_seq([out], [lay.q_sizes], lay, group, transport, "out", heads_major=True)
+    if not return_lse:
+        return o
+    (lse,) = heads_to_seq([lse.transpose(1, 2).unsqueeze(-1)], [lay.q_sizes], lay, group, transport, "lse")
+    lse = lse.squeeze(-1)
+    ctx.mark_non_differentiable(lse)
+    return o, lse
+
+
+def _kernel_backward(ctx, grad_out: torch.Tensor):
+    lay, group, transport, kernel = ctx.layout, ctx.group, ctx.transport, ctx.kernel
+    q, k, v, out, lse, bias = ctx.saved_tensors
+    (d_out,), _ = seq_to_heads([grad_out], [lay.q_sizes], lay, group, transport, "d_out",
+                               heads_major=kernel.storage == "bhsd")  # fmt: skip
+    if kernel.storage == "bshd":
+        d_out = d_out.transpose(1, 2)
+    if ctx.empty:
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    else:
+        dq, dk, dv = kernel.backward(d_out, q, k, v, out, lse, bias, ctx.scale, ctx.aux)
+    seq = [lay.q_sizes, lay.kv_sizes, lay.kv_sizes]
+    dq, dk, dv = heads_to_seq([dq, dk, dv], seq, lay, group, transport, "d_qkv", heads_major=True)
+    return dq, dk, dv, *(None,) * 10
 
 
 class GatherAnything(torch.autograd.Function):
