@@ -629,11 +629,7 @@ def trainer_memory_part(device: torch.device, cfg: dict, cases: list, shapes: di
             "predicted = memory.json's predicted_peak_bytes; measured true peak = max over steps of peak_reserved"
             " + device_used - reserved (metrics.jsonl), less what the device held before the launch (others).\n"
         )
-        if device.type == "cuda":
-            config = tmp / "accelerate_1gpu.yaml"
-            config.write_text(GPU_ACCELERATE_CONFIG)
-        else:
-            config = REPO / "configs/accelerate/cpu.yaml"
+        config = accelerate_config(device, tmp)
         header(["case", "predicted GiB", "measured true peak GiB", "max allocated GiB", "predicted / measured",
                 "last step s", "others GiB", "run"])  # fmt: skip
         for i, (label, sets) in enumerate(cases):
@@ -687,46 +683,62 @@ def _memory_case(device: torch.device, label: str, cmd: list[str], out: Path, ti
             status.replace("|", "/")]  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def start(doc: str, title: str, deadline: str) -> tuple[torch.device, bool]:
+    """The device scripts' start (this one's and bench.gpu_trainer's): `--smoke` (tiny shapes on CPU) or the GPU,
+    and the heading with what ran where; (device, smoke)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the code paths only")
-    args = parser.parse_args()
-    if args.smoke:
+    smoke = parser.parse_args().smoke
+    if smoke:
         device = torch.device("cpu")
     elif torch.cuda.is_available():
         device = torch.device("cuda", 0)
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
     else:
-        log("No CUDA device: this benchmark is for an H200. Use --smoke to check the code paths on CPU.")
+        log(f"No CUDA device: {title} is for one GPU. Use --smoke to check the code paths on CPU.")
         sys.exit(2)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke test, tiny shapes)"
     import diffusers
 
-    log(f"# H200 benchmark\n\n{time.strftime('%Y-%m-%d %H:%M')}, {name}, torch {torch.__version__}, "
-        f"diffusers {diffusers.__version__}, deadline {DEADLINE_S:.0f} s (parts 1-3: {PARTS_1_3_S:.0f} s)")  # fmt: skip
+    log(f"# {title}\n\n{time.strftime('%Y-%m-%d %H:%M')}, {name}, torch {torch.__version__}, "
+        f"diffusers {diffusers.__version__}, {deadline}")  # fmt: skip
+    return device, smoke
+
+
+def accelerate_config(device: torch.device, folder: Path) -> Path:
+    """The accelerate config of a trainer launch: one GPU (written into `folder`), or the repository's CPU one."""
+    if device.type != "cuda":
+        return REPO / "configs/accelerate/cpu.yaml"
+    config = folder / "accelerate_1gpu.yaml"
+    config.write_text(GPU_ACCELERATE_CONFIG)
+    return config
+
+
+def main() -> None:
+    device, smoke = start(__doc__, "H200 benchmark", f"deadline {DEADLINE_S:.0f} s (parts 1-3: {PARTS_1_3_S:.0f} s)")
     try:
-        attention_part(device, SMOKE_ATTN if args.smoke else WAN_14B_ATTN)
+        attention_part(device, SMOKE_ATTN if smoke else WAN_14B_ATTN)
     except Exception:  # noqa: BLE001
         traceback.print_exc()
     free(device)
     try:
-        backends_part(device, SMOKE_WAN if args.smoke else dict(WAN_1_3B, num_layers=2), smoke=args.smoke)
+        backends_part(device, SMOKE_WAN if smoke else dict(WAN_1_3B, num_layers=2), smoke=smoke)
     except Exception:  # noqa: BLE001
         traceback.print_exc()
     free(device)
     try:
-        training_part(device, SMOKE_WAN if args.smoke else WAN_1_3B, SMOKE_STEP_CASES if args.smoke else STEP_CASES,
-                      SMOKE_TEXT_TOKENS if args.smoke else TEXT_TOKENS, reps=2 if args.smoke else 5)  # fmt: skip
+        training_part(device, SMOKE_WAN if smoke else WAN_1_3B, SMOKE_STEP_CASES if smoke else STEP_CASES,
+                      SMOKE_TEXT_TOKENS if smoke else TEXT_TOKENS, reps=2 if smoke else 5)  # fmt: skip
     except Exception:  # noqa: BLE001
         traceback.print_exc()
     if dist.is_initialized():
         dist.destroy_process_group()  # (and its NCCL buffers, before the device's memory is measured)
     free(device)
     try:
-        trainer_memory_part(device, SMOKE_WAN if args.smoke else WAN_1_3B,
-                            SMOKE_MEMORY_CASES if args.smoke else MEMORY_CASES,
-                            SMOKE_MEMORY_SHAPES if args.smoke else MEMORY_SHAPES)  # fmt: skip
+        trainer_memory_part(device, SMOKE_WAN if smoke else WAN_1_3B,
+                            SMOKE_MEMORY_CASES if smoke else MEMORY_CASES,
+                            SMOKE_MEMORY_SHAPES if smoke else MEMORY_SHAPES)  # fmt: skip
     except Exception:  # noqa: BLE001
         traceback.print_exc()
     log(f"\n(total {time.perf_counter() - T0:.0f} s)")

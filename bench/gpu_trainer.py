@@ -37,10 +37,8 @@ catches failures (the row says why and the next case runs) and prints its row as
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import traceback
@@ -51,11 +49,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bench.gpu_h200 import (
-    GPU_ACCELERATE_CONFIG,
     PEAK_TFLOPS,
-    REPO,
     SMOKE_WAN,
     WAN_1_3B,
+    accelerate_config,
     device_used,
     free,
     gib,
@@ -69,6 +66,7 @@ from bench.gpu_h200 import (
     read_run,
     row,
     run_launch,
+    start,
     time_ms,
     trainer_command,
     wan_forward_flops,
@@ -186,6 +184,7 @@ def _sets(out: Path, pipeline: Path, shapes: dict, steps: int) -> list[str]:
     )
     return [f"output_dir={out}", f"model.pretrained_path={pipeline}", "model.init_config=null", "parallel.cp=1",
             "parallel.dp_shard=1", "parallel.memory_check=off", f"train.max_steps={steps}", "train.batch_size=1",
+            "train.gradient_checkpointing=false",  # (the recipe's is on; the cases that checkpoint say so)
             "checkpoint.every_n_steps=0", "checkpoint.export=none", "logging.wandb_mode=disabled",
             "logging.progress_bar=false", "logging.every_n_steps=1", "data.cache_dir=null",
             f"data.synthetic={synthetic}"]  # fmt: skip
@@ -317,24 +316,9 @@ def _lora_loads(pipeline: Path, lora: Path) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the code paths only")
-    args = parser.parse_args()
-    if args.smoke:
-        device = torch.device("cpu")
-    elif torch.cuda.is_available():
-        device = torch.device("cuda", 0)
-        torch.cuda.set_device(device)
-    else:
-        log("No CUDA device: this script is for one GPU. Use --smoke to check the code paths on CPU.")
-        sys.exit(2)
-    import diffusers
-
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke test, tiny shapes)"
-    log(f"# GPU trainer script\n\n{time.strftime('%Y-%m-%d %H:%M')}, {name}, torch {torch.__version__}, "
-        f"diffusers {diffusers.__version__}, deadline {DEADLINE_S:.0f} s")  # fmt: skip
+    device, smoke = start(__doc__, "GPU trainer script", f"deadline {DEADLINE_S:.0f} s")
     try:
-        kernels_part(device, SMOKE_ATTN if args.smoke else ATTN)
+        kernels_part(device, SMOKE_ATTN if smoke else ATTN)
     except Exception:  # noqa: BLE001
         traceback.print_exc()
     if dist.is_initialized():
@@ -342,15 +326,11 @@ def main() -> None:
     free(device)
     tmp = Path(tempfile.mkdtemp(prefix="ctxtrain-gpu-trainer-"))
     try:
-        if device.type == "cuda":
-            config = tmp / "accelerate_1gpu.yaml"
-            config.write_text(GPU_ACCELERATE_CONFIG)
-        else:
-            config = REPO / "configs/accelerate/cpu.yaml"
+        config = accelerate_config(device, tmp)
         for part in (  # the run's state first: two short launches the time budget must not drop
             lambda: state_part(device, tmp, config),
-            lambda: trainer_part(device, SMOKE_WAN if args.smoke else WAN_1_3B, SMOKE_CASES if args.smoke else CASES,
-                                 SMOKE_SHAPES if args.smoke else SHAPES, tmp, config),
+            lambda: trainer_part(device, SMOKE_WAN if smoke else WAN_1_3B, SMOKE_CASES if smoke else CASES,
+                                 SMOKE_SHAPES if smoke else SHAPES, tmp, config),
         ):  # fmt: skip
             try:
                 part()

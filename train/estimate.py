@@ -594,13 +594,8 @@ def estimate(recipe: Recipe, world_size: int, device_type: str = "cuda", shape: 
     elem = 2 if _precision(recipe, device_type) == "bf16" else 4
     if recipe.model.attention_backend in SCORE_BACKENDS:  # probabilities saved per attention call: (B, H/cp, S, S)
         block += b * _eval(fit["scores"], tokens, text) * shape.heads / cp * elem
-    recomputed = math.ceil(shape.n_blocks / t.checkpoint_every) if t.gradient_checkpointing else 0
-    kept = b * _eval(fit["input"], n, text) * inner  # a recomputed block saves its input
-    if t.checkpoint_policy == "keep_attention":  # + each attention call's output (up to 2 a block: Wan's self and
-        kept += 2 * b * n * inner * elem  # cross attention; the LSE is 1/head_dim of it)
-    elif t.checkpoint_policy == "keep_attention_matmul":  # keeps nearly everything a block saves: bounded by it
-        kept = block
-    saved = (shape.n_blocks - recomputed) * block + recomputed * kept
+    saved, recomputed = _block_activations(t, shape.n_blocks, block, b * _eval(fit["input"], n, text) * inner,
+                                           b * n * inner * elem)  # fmt: skip
     work = max(0.0, b * _eval(fit["work_ckpt" if recomputed else "work"], n, text) * width)  # fits can dip below 0
     host: dict[str, float] = {}
     if t.offload_activations and cuda:  # saved block tensors live in host memory; one block's come back at a time
@@ -618,7 +613,7 @@ def estimate(recipe: Recipe, world_size: int, device_type: str = "cuda", shape: 
     torch_foreach = cuda and not offload and t.optimizer == "adamw" and t.master_weights == "fp32"
     largest = max((_padded_shard_numel(s, fsdp) * 4 for s, _, _ in shape.select(True)), default=0)
     opt_temp = sharded(True, 4) if torch_foreach else largest
-    peak, first, state = _peaks(c, host, sharded(True, block=-1), opt_temp, offload)
+    peak, first, state = _peak_totals(c, host, sharded(True, block=-1), opt_temp, offload)
     val = validation_peak(recipe, shape, fit, c, state, cp, text, elem)
     if val is not None:
         c["validation: pipeline components"] = val[1]
@@ -633,7 +628,17 @@ def estimate(recipe: Recipe, world_size: int, device_type: str = "cuda", shape: 
     return Estimate(c, peak, first, host, a2a, tokens, text, layout)
 
 
-def _peaks(
+def _block_activations(t, n_blocks: int, block: float, block_input: float, attention_out: float) -> tuple[float, int]:
+    """(bytes the blocks save for backward, blocks recomputed). A recomputed block saves its input; with
+    keep_attention also each attention call's output (up to 2 a block: Wan's self and cross attention; the LSE is
+    1/head_dim of it); keep_attention_matmul keeps nearly everything a block saves: bounded by the whole block."""
+    recomputed = math.ceil(n_blocks / t.checkpoint_every) if t.gradient_checkpointing else 0
+    kept = {"full": block_input, "keep_attention": block_input + 2 * attention_out,
+            "keep_attention_matmul": block}[t.checkpoint_policy]  # fmt: skip
+    return (n_blocks - recomputed) * block + recomputed * kept, recomputed
+
+
+def _peak_totals(
     c: dict[str, float], host: dict[str, float], outside_grads: float, opt_temp: float, offload: bool
 ) -> tuple[float, float, float]:
     """(steady-state peak, first-step peak, optimizer state on the device) from the components `c`; under CPU offload
