@@ -97,7 +97,7 @@ def _rank_fn(rank: int, world: int, init_config: dict, steps: int, save_at: int,
         tr = trainer()
         lines = [train_step(tr, s) for s in range(save_at)]
         app = AppState(tr.model, tr.optimizer, trainable_only=False)
-        assert save_state(recipe, {"run": {"id": name}}, app, tr.scheduler, tr.batches, mesh, save_at) is not None
+        assert save_state(recipe, spec, {"run": {"id": name}}, app, tr.scheduler, tr.batches, mesh, save_at) is not None
         lines += [train_step(tr, s) for s in range(save_at, steps)]
         case = {"loss": [x["loss"] for x in lines], "grad_norm": [x["grad_norm"] for x in lines],
                 "state": state_bytes(tr.optimizer), "params": sum(p.numel() for p in tr.params),

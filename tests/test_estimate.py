@@ -211,6 +211,21 @@ def test_cpu_offload_moves_the_sharded_state_to_host_memory_on_a_gpu() -> None:
     assert cpu_on.peak == cpu_off.peak and not cpu_on.host  # a CPU-only machine: the state is in host memory anyway
 
 
+def test_the_ema_costs_one_fp32_copy_of_the_trained_shards() -> None:
+    """`ema`: each rank's fp32 average of its trained shards (train/ema.py), alive through the whole step: with fp32
+    master weights exactly the size of the gradients, added to the peak; in host memory with CPU offload."""
+    from train.config import load_recipe
+
+    def full(*sets: str):
+        return load_recipe("recipes/qwenimage/20b_full.yaml", sets)
+
+    on, off = est.estimate(full("ema.decay=0.999"), 16, "cpu"), est.estimate(full(), 16, "cpu")
+    assert on.components[est.EMA] == off.components["gradients"] > 0
+    assert on.peak - off.peak == pytest.approx(on.components[est.EMA], rel=1e-9)
+    offloaded = est.estimate(full("ema.decay=0.999", "parallel.cpu_offload=true"), 16, "cuda")
+    assert offloaded.host[est.EMA] == on.components[est.EMA] and est.EMA not in offloaded.components
+
+
 def test_the_suggestion_tries_fp8_then_cpu_offload_for_lora() -> None:
     from train.config import load_recipe
 

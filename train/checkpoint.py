@@ -46,20 +46,24 @@ MANIFEST, COMPLETE, TRAINER_STATE = "manifest.json", "COMPLETE", "trainer.json"
 
 
 class AppState(Stateful):
-    """Model + optimizer through DCP's state-dict helpers (handles FSDP2 shards and frozen LoRA bases)."""
+    """Model + optimizer through DCP's state-dict helpers (handles FSDP2 shards and frozen LoRA bases), and the EMA of
+    the trained weights when the run keeps one (train/ema.py: its shards, saved and loaded in place)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool) -> None:
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool,
+                 ema: Any = None) -> None:  # fmt: skip
+        self.model, self.optimizer, self.ema = model, optimizer, ema
         # LoRA: only the adapters are saved; the frozen base comes from the pretrained weights again on resume.
         self.options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
 
     def state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
-        return {"model": model_sd, "optim": optim_sd}
+        return {"model": model_sd, "optim": optim_sd, **({"ema": self.ema.state_dict()} if self.ema else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=self.options)  # fmt: skip
+        if self.ema is not None:
+            self.ema.load_state_dict(state["ema"])
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:

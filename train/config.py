@@ -52,6 +52,7 @@ __all__ = [
     "SCHEMA_PATH",
     "CheckpointConfig",
     "DataConfig",
+    "DatasetConfig",
     "FinetuneConfig",
     "LoggingConfig",
     "ModelConfig",
@@ -270,6 +271,11 @@ class TrainConfig(Section):
     """Number of optimizer steps to train for."""
     batch_size: Positive = 1
     """Samples per micro-batch per data-parallel group (the cp ranks of a group share the same samples)."""
+    batch_tokens: Positive | None = None
+    """A budget of transformer tokens per micro-batch instead of a fixed batch_size: each bucket's batch size is
+    max(1, batch_tokens // the tokens of one of its samples), so an image bucket takes many samples and a long clip
+    one (per data-parallel group; batch_size stays 1). The report lists the batch size of each bucket. null = batch_size
+    for every bucket."""
     grad_accum: Positive = 1
     """Micro-batches accumulated per optimizer step."""
     lr: float = Field(1e-4, gt=0, le=100)
@@ -340,6 +346,13 @@ class TrainConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _budget(self) -> TrainConfig:
+        if self.batch_tokens is not None and self.batch_size != 1:
+            report([("batch_tokens", f"sets each bucket's batch size from a token budget, and batch_size is "
+                     f"{self.batch_size}: set train.batch_size: 1, or batch_tokens: null")])  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
     def _master(self) -> TrainConfig:
         if self.master_weights == "bf16" and self.mixed_precision != "bf16":
             report([("master_weights", f"is bf16, whose weights compute in bf16, but mixed_precision is "
@@ -400,11 +413,39 @@ class SyntheticData(Section):
     """Per-sample shape of each tensor the family reads (spec batch_keys); *_mask keys: bool, last quarter padded."""
 
 
+class DatasetConfig(Section):
+    """One cache of a mixture (data.datasets), drawn each epoch `repeats` times or by `weight`."""
+
+    cache_dir: str
+    """Folder of cached latents and text embeddings, written by `python -m train.prepare` (one run per dataset)."""
+    name: str | None = None
+    """Its name in the metrics (`samples/<name>`: samples trained on so far) and the report; null = the folder's
+    name."""
+    repeats: Positive | None = None
+    """Each sample this many times per epoch (not with weight); null, without weight = once."""
+    weight: Annotated[float, Field(gt=0)] | None = None
+    """Its share of the weighted datasets' epoch: together they take as many samples per epoch as they hold, split in
+    proportion to weight (a small dataset's samples repeat, a large one gives a seeded part, another every epoch). Not
+    with repeats."""
+    caption_dropout: Annotated[float, Field(ge=0, le=1)] | None = None
+    """Its caption dropout; null = train.caption_dropout."""
+
+    @model_validator(mode="after")
+    def _draw(self) -> DatasetConfig:
+        if self.repeats is not None and self.weight is not None:
+            report([("weight", f"is set, and so is repeats ({self.repeats}): a dataset is drawn by one of them; "
+                     "drop the other")])  # fmt: skip
+        return self
+
+
 class DataConfig(Section):
     """Training data: the latent/embedding cache, the media it is prepared from (train.prepare), and loading."""
 
     cache_dir: str | None = None
     """Folder of cached latents and text embeddings, written by `python -m train.prepare`."""
+    datasets: Annotated[list[DatasetConfig], Field(min_length=1)] | None = None
+    """Train on several caches instead of cache_dir, each {cache_dir, name, repeats or weight, caption_dropout},
+    mixed per epoch by a seeded sampler (bucketed batches may hold samples of several); null = cache_dir."""
     source: str | None = None
     """Media folder, metadata.jsonl/csv file or datasets name that `train.prepare` encodes into cache_dir."""
     caption_column: str = "text"
@@ -412,6 +453,14 @@ class DataConfig(Section):
     reference_column: str = "reference"
     """Editing families (Qwen-Image-Edit, FLUX.1 Kontext): column or metadata key holding each sample's reference
     (input) image, a path relative to the metadata file or a dataset image."""
+    mask_column: str | None = None
+    """Masked training: column or metadata key naming each sample's loss mask, an image (one mask for every frame) or
+    a video of the media's frame count and rate, of the media's own size (a path relative to the metadata file, or a
+    dataset image/video). Its first (red) channel / 255 weighs each pixel's loss: white = trained, black = left out,
+    grey = in between. train.prepare crops and resizes it as the media, pools it to latent resolution (the mean over
+    each latent cell's pixels and frames) and caches it; the loss multiplies the squared error by it (its mean still
+    over every element). A sample with no mask trains on all of it; an unreadable or mismatched mask makes the item
+    bad (`bad_mask`). null = no masks."""
     height: Positive = 512
     """Pixel height media is resized/cropped to before encoding (when buckets is null)."""
     width: Positive = 512
@@ -444,6 +493,26 @@ class DataConfig(Section):
     """DataLoader worker processes (and, at least 1, items decoded ahead in threads during prepare)."""
     shuffle: bool = True
     """Shuffle sample order each epoch."""
+
+    @model_validator(mode="after")
+    def _names(self) -> DataConfig:
+        seen: dict[str, int] = {}
+        for i, name in enumerate(self.dataset_names()):
+            if name in seen:
+                report([(("datasets", i, "name"), f"{name!r} is also data.datasets[{seen[name]}]'s name (the metrics "
+                         "tell datasets apart by name): set a name of its own")])  # fmt: skip
+            seen[name] = i
+        return self
+
+    def dataset_names(self) -> list[str]:
+        """The names of data.datasets (a cache folder's name when unnamed); [] without datasets."""
+        return [d.name or Path(d.cache_dir).name for d in self.datasets or []]
+
+    def cache_dirs(self) -> list[str]:
+        """The caches the trainer reads: data.datasets', else [data.cache_dir] (none for synthetic data)."""
+        if self.datasets is not None:
+            return [d.cache_dir for d in self.datasets]
+        return [self.cache_dir] if self.cache_dir is not None else []
 
     def resolved(self, model: ModelConfig) -> DataConfig:
         """This section with its defaults-by-reference filled in (the one place they are resolved): buckets null =
@@ -484,6 +553,10 @@ class CheckpointConfig(Section):
     holds a run's state (then refused: train/rundir.py). `--resume` insists: nothing to resume is refused."""
     export: Literal["auto", "full", "lora", "none"] = "auto"
     """Final weights written to output_dir: auto = what was trained (lora adapters or the full transformer)."""
+    export_every_checkpoint: bool = False
+    """Each checkpoint also holds the trained weights in the export format (`step_N/lora/`, the file a pipeline's
+    `load_lora_weights` reads, or `step_N/transformer/`, a `from_pretrained` folder; and the EMA's beside them),
+    rotated with it: an intermediate adapter to try without resuming. Not with export: none."""
 
 
 class ValidationPrompt(Section):
@@ -531,6 +604,44 @@ class ValidationConfig(Section):
     """Also write `<i>.pt`: the pipeline's float output before 8-bit encoding (for exact comparisons)."""
 
 
+class EMAConfig(Section):
+    """An exponential moving average of the trained weights (the LoRA adapters, or every weight of full fine-tuning):
+    `ema = decay · ema + (1 − decay) · weights` after each applied optimizer step `s` with `s ≥ start_step` and
+    `(s − start_step) % every_n_steps == 0`, starting from the weights before the first step (start_step 0) or from
+    a copy of the weights at step start_step. Each rank keeps the EMA of its own FSDP shard (nothing gathered), in
+    fp32, in every checkpoint (exact resume). Exported beside the weights: `lora_ema/` or `transformer_ema/`."""
+
+    decay: float = Field(0.999, gt=0, lt=1)
+    """Weight of the running average at each update."""
+    start_step: int = Field(0, ge=0)
+    """First optimizer step whose weights enter the average (0: from the first step)."""
+    every_n_steps: Positive = 1
+    """Update the average every this many optimizer steps."""
+    validation: bool = False
+    """Render the validation samples with the EMA weights instead of the trained ones."""
+
+
+class ValidationLossConfig(Section):
+    """The loss on held-out samples every N steps, comparable across steps and runs: sample i is evaluated at the
+    noise and timestep drawn from a generator seeded by (train.seed, i), the same every evaluation, under the run's
+    CP layout (data-parallel groups split the samples). Logged as `val_loss` in metrics.jsonl, wandb and the report.
+    Held out: data.cache_dir's own samples set aside by a seeded split (`fraction`, never trained on), or another
+    cache (`cache_dir`)."""
+
+    every_n_steps: Positive = 100
+    """Evaluate after every this many optimizer steps, and after the last one."""
+    at_start: bool = False
+    """Also evaluate before the first step (step 0: the starting weights; not on resume)."""
+    cache_dir: str | None = None
+    """A cache written by train.prepare for the same family, evaluated whole; null = `fraction` of the training
+    cache."""
+    fraction: float = Field(0.1, gt=0, lt=1)
+    """Without cache_dir: this share of the training samples (at least 1), chosen with train.seed, held out of
+    training."""
+    max_samples: Positive | None = None
+    """Evaluate at most this many held-out samples (the first of the seeded order); null = all."""
+
+
 class Recipe(Section):
     """A complete training run."""
 
@@ -550,6 +661,10 @@ class Recipe(Section):
     """Checkpoints and export."""
     validation: ValidationConfig | None = None
     """Validation samples during training; null = none."""
+    ema: EMAConfig | None = None
+    """An EMA of the trained weights; null = none."""
+    validation_loss: ValidationLossConfig | None = None
+    """A held-out loss during training; null = none."""
     output_dir: Annotated[str, AfterValidator(_folder)] = "outputs/run"
     """Folder for checkpoints, exported weights and the resolved recipe."""
     name: str | None = None
@@ -557,6 +672,11 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _export(self) -> Recipe:
+        if self.checkpoint.export_every_checkpoint and self.checkpoint.export == "none":
+            report([("checkpoint.export_every_checkpoint", "is true but checkpoint.export is none: set export to auto "
+                     "(or lora / full), or export_every_checkpoint to false")])  # fmt: skip
+        if self.ema is not None and self.ema.validation and self.validation is None:
+            report([("ema.validation", "is true but there is no validation section to render with the EMA")])
         if self.checkpoint.export == "lora" and self.finetune.method != "lora":
             report([("checkpoint.export", "is lora but finetune.method is full; use auto or full")])
         if self.checkpoint.export == "full" and self.finetune.fp8_base:
@@ -713,9 +833,13 @@ def check_inputs(recipe: Recipe, world_size: int) -> None:
         raise UserError(f"data.synthetic and data.cache_dir ({data.cache_dir}) are both set, and synthetic data would "
                         "silently replace the cache: set data.synthetic=null to train on the cache, or drop "
                         "data.cache_dir")  # fmt: skip
-    if data.synthetic is None and data.cache_dir is None:
-        raise UserError("data: no training data: set data.cache_dir (written by `python -m train.prepare`) or "
-                        "data.synthetic")  # fmt: skip
+    if data.datasets is not None and (data.cache_dir is not None or data.synthetic is not None):
+        other = "data.cache_dir" if data.cache_dir is not None else "data.synthetic"
+        raise UserError(f"data.datasets and {other} are both set, and only one is trained on: set {other}=null to "
+                        "train on the datasets, or data.datasets=null")  # fmt: skip
+    if data.synthetic is None and data.cache_dir is None and data.datasets is None:
+        raise UserError("data: no training data: set data.cache_dir (written by `python -m train.prepare`), "
+                        "data.datasets or data.synthetic")  # fmt: skip
     launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")  # `accelerate launch --mixed_precision` or config
     if launched != "no":
         raise UserError(f"accelerate launch --mixed_precision {launched} (or that key of its config file) would be "

@@ -53,6 +53,7 @@ CALIBRATION_VERSION = 1  # bump when what `calibrate` measures changes: every ca
 REFUSE_MARGIN = 0.15
 # Backends whose attention saves the (heads, Sq, Skv) probabilities for backward; the others save out + LSE only.
 SCORE_BACKENDS = ("_native_math", "eager")
+EMA = "EMA of the trained weights (fp32)"  # train/ema.py
 
 
 # --------------------------------------------------------------------------------------------------- live storage
@@ -208,8 +209,8 @@ def model_shape(recipe: Recipe) -> ModelShape:
 def sample_tokens(recipe: Recipe) -> tuple[int, int]:
     """(transformer tokens of the noised streams after patching, text tokens) of one sample at the recipe's
     resolution: from `data.synthetic.shapes` through the spec's `tokens_per_sample`, else from the largest bucket
-    and the family's size rules (`Geometry`: spatial multiple = VAE stride × patch, frames period × offset), as
-    `train.prepare.check_geometry` checks them."""
+    (data.buckets, or those of the data.datasets caches) and the family's size rules (`Geometry`: spatial multiple =
+    VAE stride × patch, frames period × offset), as `train.prepare.check_geometry` checks them."""
     from train.data.media import Bucket
     from train.models import get_encoder
 
@@ -220,7 +221,12 @@ def sample_tokens(recipe: Recipe) -> tuple[int, int]:
     local = m.pretrained_path is not None and Path(m.pretrained_path).expanduser().is_dir()
     encoder = get_encoder(m.family)
     g = encoder.geometry(m.pretrained_path if local else None, m.revision)
-    buckets = [Bucket.parse(x) for x in data.resolved(m).buckets]
+    names = data.resolved(m).buckets
+    if data.datasets is not None:  # a mixture: the buckets of its caches (each prepared with a recipe of its own)
+        from train.data.dataset import read_manifest
+
+        names = sorted({b for d in data.datasets for b in read_manifest(d.cache_dir)["buckets"]})
+    buckets = [Bucket.parse(x) for x in names]
     g.check(buckets)  # what train.prepare.check_geometry checks
     tokens = max(_tokens_at(recipe, b.frames, b.height, b.width) for b in buckets)
     return tokens, encoder.text_tokens(data.max_text_tokens) or encoder.default_text_tokens
@@ -568,6 +574,7 @@ def estimate(recipe: Recipe, world_size: int, device_type: str = "cuda", shape: 
                    for s, e, f in shape.select(trainable, block))  # fmt: skip
 
     c: dict[str, float] = {}
+    host: dict[str, float] = {}
     c["parameters"] = sharded(None)
     c["gradients"] = sharded(True)  # in the trained weights' dtype, sharded (FSDP2 reduce-scatters into the shard)
     c["optimizer state (AdamW)"] = sum(optim.state_bytes(_padded_shard_numel(s, fsdp), e, t.optimizer)
@@ -583,12 +590,17 @@ def estimate(recipe: Recipe, world_size: int, device_type: str = "cuda", shape: 
         c["FSDP reduce-scatter buffer"] = sharded(True, 4, biggest) * fsdp  # one block's fp32 gradients, flat
     if offload:  # each block's shards copied to the device for its all-gather (and the next one's, prefetched)
         c["CPU offload staging (2 blocks)"] = 2 * sharded(None, block=biggest)
+    if recipe.ema is not None:  # train/ema.py: an fp32 copy of each rank's trained shards, where they live
+        (host if offload else c)[EMA] = sharded(True, 4)
     if t.grad_accum > 1 and p.fsdp and fsdp > 1:  # no reduce-scatter before the last micro-batch: FSDP2 accumulates
         c["unsharded gradients (grad_accum)"] = sum(math.prod(s) * 4 for s, _, _ in shape.select(True))  # in fp32
     cal = load_calibration(recipe.model.family)
     fit = cal["fit"][f"{_precision(recipe, device_type)}/{recipe.finetune.method}"]
     tokens, text = sample_tokens(recipe)
-    n, b = math.ceil(tokens / cp), t.batch_size  # the sequence is split over cp; text is not (conservative)
+    n = math.ceil(tokens / cp)  # the sequence is split over cp; text is not (conservative)
+    # train.batch_tokens: the largest bucket's samples filling the budget, at least one (b may be fractional: b × tokens
+    # = the budget), the worst batch of any bucket for the terms linear in tokens, an upper bound for the quadratic ones
+    b = t.batch_size if t.batch_tokens is None else max(1.0, t.batch_tokens / tokens)
     width, inner = shape.linear_width, shape.inner_dim
     block = b * _eval(fit["block"], n, text) * width
     elem = 2 if _precision(recipe, device_type) == "bf16" else 4
@@ -597,7 +609,6 @@ def estimate(recipe: Recipe, world_size: int, device_type: str = "cuda", shape: 
     saved, recomputed = _block_activations(t, shape.n_blocks, block, b * _eval(fit["input"], n, text) * inner,
                                            b * n * inner * elem)  # fmt: skip
     work = max(0.0, b * _eval(fit["work_ckpt" if recomputed else "work"], n, text) * width)  # fits can dip below 0
-    host: dict[str, float] = {}
     if t.offload_activations and cuda:  # saved block tensors live in host memory; one block's come back at a time
         host["offloaded activations"], saved = saved, block
     c["activations (blocks)"] = saved
@@ -649,7 +660,7 @@ def _peak_totals(
     accumulated so far too) or at its end (every block's gradients, the activations outside the blocks still alive),
     whichever is larger: for full fine-tuning at long sequences the start, at short ones the end. The optimizer step
     holds the weights, gradients, state and its temporaries. The first step has no AdamW state before its update."""
-    step = c["parameters"] + c["gradients"] + c["optimizer state (AdamW)"] + opt_temp
+    step = c["parameters"] + c["gradients"] + c["optimizer state (AdamW)"] + c.get(EMA, 0.0) + opt_temp
     state = c["optimizer state (AdamW)"]
     block_grads = c["gradients"] - outside_grads
     if offload:  # the sharded state and the optimizer step live in host memory; the device runs forward/backward

@@ -153,8 +153,10 @@ def _save_config(model: torch.nn.Module, path: Path) -> None:
 
 
 @torch.no_grad()
-def export_full(model: torch.nn.Module, out_dir: Path, max_shard_size: int | str = "2GB") -> Exported:
-    """Write `<out_dir>/transformer/` (config + safetensors shards + index) for `from_pretrained`, one gathered tensor
+def export_full(
+    model: torch.nn.Module, out_dir: Path, max_shard_size: int | str = "2GB", name: str = "transformer"
+) -> Exported:
+    """Write `<out_dir>/<name>/` (config + safetensors shards + index) for `from_pretrained`, one gathered tensor
     at a time. Collective: every rank calls it. `max_shard_size` in bytes or as "10GB" / "500MB" (diffusers' unit);
     2GB rather than diffusers' 10GB because rank 0 holds one whole shard."""
     from huggingface_hub import split_torch_state_dict_into_shards
@@ -165,12 +167,12 @@ def export_full(model: torch.nn.Module, out_dir: Path, max_shard_size: int | str
     # The plan, from shapes and dtypes alone (meta tensors: no memory): the same on every rank.
     shapes = {e.key: torch.empty(state[e.source].shape, dtype=state[e.source].dtype, device="meta") for e in entries}
     plan = split_torch_state_dict_into_shards(shapes, max_shard_size=max_shard_size, filename_pattern=_SHARD_PATTERN)
-    publish, rank = _Publish(out_dir, "transformer"), dist.get_rank()
+    publish, rank = _Publish(out_dir, name), dist.get_rank()
     path = publish.staging
     publish.write(_save_config, model, path)
 
-    left = {name: len(keys) for name, keys in plan.filename_to_tensors.items()}
-    open_shards: dict[str, dict[str, torch.Tensor]] = {name: {} for name in left}
+    left = {file: len(keys) for file, keys in plan.filename_to_tensors.items()}
+    open_shards: dict[str, dict[str, torch.Tensor]] = {file: {} for file in left}
     buffered = peak = 0
     for e in entries:
         value = _full(state[e.source])
@@ -182,14 +184,14 @@ def export_full(model: torch.nn.Module, out_dir: Path, max_shard_size: int | str
             for a, b, s in gathered:
                 w += s * (b.float() @ a.float())
             value = w.to(value.dtype)
-        name = plan.tensor_to_filename[e.key]
-        open_shards[name][e.key] = value.contiguous()
+        file = plan.tensor_to_filename[e.key]
+        open_shards[file][e.key] = value.contiguous()
         buffered += value.nbytes
         peak = max(peak, buffered)
-        left[name] -= 1
-        if left[name] == 0:
-            shard = open_shards.pop(name)
-            publish.write(save_file, shard, str(path / name), {"format": "pt"})
+        left[file] -= 1
+        if left[file] == 0:
+            shard = open_shards.pop(file)
+            publish.write(save_file, shard, str(path / file), {"format": "pt"})
             buffered -= sum(t.nbytes for t in shard.values())
     if plan.is_sharded:
         index = {"metadata": dict(plan.metadata), "weight_map": plan.tensor_to_filename}
@@ -204,12 +206,13 @@ def _full_state_dict(model: torch.nn.Module, trainable_only: bool) -> dict[str, 
     return get_model_state_dict(model, options=opts)
 
 
-def export_lora(model: torch.nn.Module, pipeline_class: str, out_dir: Path) -> Path | None:
-    """LoRA weights as `pytorch_lora_weights.safetensors` that `<Pipeline>.load_lora_weights(dir)` accepts."""
+def export_lora(model: torch.nn.Module, pipeline_class: str, out_dir: Path, name: str = "lora") -> Path | None:
+    """LoRA weights as `<out_dir>/<name>/pytorch_lora_weights.safetensors`, which `<Pipeline>.load_lora_weights(dir)`
+    accepts."""
     from peft.utils import get_peft_model_state_dict
 
     state = _full_state_dict(model, trainable_only=True)
-    publish = _Publish(out_dir, "lora")
+    publish = _Publish(out_dir, name)
     if dist.get_rank() == 0:
         lora = get_peft_model_state_dict(model, state_dict=state)
         pipeline = getattr(diffusers, pipeline_class)

@@ -22,6 +22,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -59,13 +60,15 @@ from train.config import (
     recipe_to_dict,
     save_recipe,
 )
-from train.data.batches import Batches, build_dataset, check_text_lengths, make_batches
+from train.data.batches import Batches, bucket_tokens, build_dataset, check_text_lengths, make_batches
+from train.ema import EMA
 from train.errors import EXIT_CODE, UserError, peer_reported, quiet_interrupt, report
 from train.estimate import startup_check
 from train.export import ExportFailed, export_full, export_lora
+from train.heldout import HeldOutLoss, held_out
 from train.metrics import MetricsLogger, device_memory, peak_memory_bytes
 from train.modeling import build_model, check_model, describe_start, family_spec
-from train.models import cache_reads
+from train.models import cache_reads, transformer_config
 from train.models.spec import FamilySpec
 from train.parallel import Mesh, ParallelDims, Parallelized
 from train.report import record_memory, report_at_end
@@ -117,9 +120,24 @@ def micro_batches(batches: Batches, t: TrainConfig, step: int, dp_rank: int):
     """The micro-batches of optimizer step `step`: (index, batch with caption dropout applied, sample ids, the
     generator its noise and timesteps come from)."""
     for micro in range(t.grad_accum):
-        batch, ids = batches.take()
         gen = step_generator(t.seed, step, micro, dp_rank)
-        yield micro, batches.caption_dropout(batch, t.caption_dropout, gen), ids, gen
+        batch, ids = batches.take(gen)  # caption dropout drawn from gen first: each dataset's rate (make_batches)
+        yield micro, batch, ids, gen
+
+
+def token_budget(recipe: Recipe, spec: FamilySpec, dataset) -> Callable[[str], int] | None:
+    """With train.batch_tokens, `tokens_of(bucket)` for make_batches (train/data/batches.py `bucket_tokens`): the
+    data's shapes through the family's tokens_per_sample with the transformer's config, read before the model is
+    built (init_config, the pretrained folder's, or the shipped config of a hub id); else None."""
+    if recipe.train.batch_tokens is None:
+        return None
+    m = recipe.model
+    try:
+        config = transformer_config(m.family, init_config=m.init_config, pretrained_path=m.pretrained_path,
+                                    subfolder=m.subfolder)  # fmt: skip
+    except ValueError as e:
+        raise UserError(f"train.batch_tokens needs the transformer's config before its weights load: {e}") from None
+    return bucket_tokens(dataset, spec, config)
 
 
 class BadStep(NamedTuple):
@@ -156,6 +174,7 @@ class Trainer:
     device: torch.device
     amp: torch.dtype | None
     objective: Objective  # sigma sampling, loss weighting, an expert's sigma range
+    ema: EMA | None = None  # the recipe's `ema`: updated after each applied step
     bad: BadSteps = field(default_factory=BadSteps)
 
 
@@ -211,6 +230,8 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     if finite:
         optim.step(tr.optimizer, t.seed, step, tr.device)  # (seeded stochastic rounding with bf16 master weights)
         tr.scheduler.step()
+        if tr.ema is not None:
+            tr.ema.update(step + 1)
         tr.bad.streak.clear()
     else:
         tr.bad.total += 1
@@ -218,11 +239,13 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     tr.optimizer.zero_grad(set_to_none=True)
     dt = time.perf_counter() - t0
     # Throughput of the whole job in transformer tokens (noised streams after patching; text not counted): each DP
-    # group processes its own micro-batches, the CP ranks of a group share them.
+    # group processes its own micro-batches, the CP ranks of a group share them. A mixture adds samples/<dataset>:
+    # the samples of each dataset the whole job has trained on so far.
     return {"step": step + 1, "loss": loss_sum.item(), "grad_norm": grad_norm.item(),
             "lr": lr, "transformer_tokens_per_s": tokens * dims.dp / dt,
             "step_time_s": dt, "peak_mem_bytes": peak_memory_bytes(tr.device), **device_memory(tr.device),
-            "skipped": not finite, "bad_steps": tr.bad.total}  # fmt: skip
+            "skipped": not finite, "bad_steps": tr.bad.total,
+            **tr.batches.contributions()}  # fmt: skip
 
 
 def bad_steps_error(streak: list[BadStep], ended: bool = False) -> UserError:
@@ -271,10 +294,21 @@ def job_identity(recipe: Recipe, args: argparse.Namespace) -> dict:
     return {"recipe": recipe_to_dict(recipe), "flags": flags, "code": runtime.code_digest()}
 
 
-def save_state(recipe: Recipe, run: dict, app: AppState, scheduler, batches: Batches, mesh: Mesh, step: int):
-    """Checkpoint `step` (collective): its path, or None from non-finite weights (train/checkpoint.py)."""
+def save_state(recipe: Recipe, spec: FamilySpec, run: dict, app: AppState, scheduler, batches: Batches, mesh: Mesh,
+               step: int):  # fmt: skip
+    """Checkpoint `step` (collective): its path, or None from non-finite weights (train/checkpoint.py). With
+    `checkpoint.export_every_checkpoint` the checkpoint also holds the weights in the export format; a failed write of
+    those is a warning (the checkpoint itself is complete: resume and the final export are unaffected)."""
     state = checkpoint_state(recipe, run, step, scheduler, batches, mesh)
-    return save_checkpoint(recipe.output_dir, step, app, state, recipe.checkpoint.keep_last)
+    path = save_checkpoint(recipe.output_dir, step, app, state, recipe.checkpoint.keep_last)
+    if path is not None and recipe.checkpoint.export_every_checkpoint:
+        try:
+            export_weights(recipe, spec, app.model, path, app.ema)
+        except ExportFailed as e:
+            if dist.get_rank() == 0:
+                print(f"warning: step {step}: the checkpoint's export {e.final} failed ({e.cause}); the checkpoint "
+                      "itself is complete", file=sys.stderr, flush=True)  # fmt: skip
+    return path
 
 
 def checkpoint_state(recipe: Recipe, run: dict, step: int, scheduler, batches: Batches, mesh: Mesh) -> dict:
@@ -387,8 +421,9 @@ def mark_stopped(out_dir: Path, step: int, signal_name: str, **more: Any) -> Non
 
 
 def print_layout(
-    recipe: Recipe, mesh: Mesh, parallel: Parallelized, amp: torch.dtype | None, n_trainable: int, out_dir: Path
-):
+    recipe: Recipe, mesh: Mesh, parallel: Parallelized, amp: torch.dtype | None, n_trainable: int, out_dir: Path,
+    data: dict[str, Any],
+):  # fmt: skip
     reduction = parallel.reduction
     layout = {
         "mesh": mesh.describe(),
@@ -400,6 +435,7 @@ def print_layout(
         + (f"bf16 autocast, {recipe.train.master_weights} master weights" if amp is not None else "fp32"),
         "optimizer": optim.describe(recipe.train.optimizer, recipe.train.master_weights),
         "trainable_parameters": n_trainable,
+        "data": data,  # batch size per bucket, a mixture's datasets (Batches.describe): the report's Data section
     }
     if dist.get_rank() == 0:
         print("recipe:", json.dumps(recipe_to_dict(recipe), indent=1))
@@ -415,7 +451,27 @@ def final_checkpoint(out_dir: Path, step: int, save: Callable[[int], Path | None
     return latest if latest is not None and latest.name == f"step_{step:06d}" else save(step)
 
 
-def export(recipe: Recipe, spec: FamilySpec, model: torch.nn.Module, out_dir: Path,
+def export_weights(recipe: Recipe, spec: FamilySpec, model: torch.nn.Module, out_dir: Path,
+                   ema: EMA | None) -> list[Path]:  # fmt: skip
+    """The trained weights in the export format into `out_dir` (`lora/` or `transformer/`), and the EMA's beside them
+    (`lora_ema/`, `transformer_ema/`): the final export, and each checkpoint's (`checkpoint.export_every_checkpoint`).
+    Collective; raises ExportFailed on every rank when a write fails."""
+    kind = recipe.finetune.method if recipe.checkpoint.export == "auto" else recipe.checkpoint.export
+    written = []
+    for suffix, weights in (("", nullcontext), *([("_ema", ema.swapped)] if ema is not None else [])):
+        with weights():
+            if kind == "lora":
+                written.append(export_lora(model, spec.pipeline_class, out_dir, name=f"lora{suffix}"))
+            elif kind == "full":
+                full = export_full(model, out_dir, name=f"transformer{suffix}")
+                written.append(full.path)
+                if dist.get_rank() == 0:  # streamed: rank 0 never holds more than one shard + one tensor
+                    print(f"export: {full.path.name}: {full.shards} shard(s), {full.total_bytes / 2**20:.1f} MiB; "
+                          f"rank 0 peak buffered {full.peak_buffered_bytes / 2**20:.1f} MiB")  # fmt: skip
+    return written
+
+
+def export(recipe: Recipe, spec: FamilySpec, model: torch.nn.Module, out_dir: Path, ema: EMA | None,
            checkpoint: Callable[[], Path | None]) -> None:  # fmt: skip
     """The final weights (train/export.py: written aside, renamed into place when complete). Refused from non-finite
     weights; when a write fails, the trained state is checkpointed (`checkpoint()`) and the error says where."""
@@ -425,14 +481,7 @@ def export(recipe: Recipe, spec: FamilySpec, model: torch.nn.Module, out_dir: Pa
                         f"{latest_checkpoint(out_dir) or 'none'}); lower train.lr or set train.max_grad_norm, and "
                         "check the pretrained weights and the data for NaN/Inf")  # fmt: skip
     try:
-        if kind == "lora":
-            path = export_lora(model, spec.pipeline_class, out_dir)
-        elif kind == "full":
-            full = export_full(model, out_dir)
-            path = full.path
-            if dist.get_rank() == 0:  # streamed: rank 0 never holds more than one shard + one tensor
-                print(f"export: {full.shards} shard(s), {full.total_bytes / 2**20:.1f} MiB; rank 0 peak buffered "
-                      f"{full.peak_buffered_bytes / 2**20:.1f} MiB")  # fmt: skip
+        paths = export_weights(recipe, spec, model, out_dir, ema)
     except ExportFailed as e:
         try:
             ckpt = checkpoint()
@@ -443,7 +492,7 @@ def export(recipe: Recipe, spec: FamilySpec, model: torch.nn.Module, out_dir: Pa
         raise UserError(f"export of the {kind} weights to {e.final} failed ({e.cause}); {kept}") from None
     if dist.get_rank() == 0:
         print(f"metrics: {out_dir / 'metrics.jsonl'}")
-        if kind != "none":
+        for path in paths:
             print(f"exported {kind} weights: {path}")
         if recipe.logging.wandb_mode == "offline":
             print(f"wandb offline run under {out_dir / 'wandb'} (upload later with `wandb sync`)")
@@ -493,8 +542,10 @@ def main(argv: list[str] | None = None) -> None:
     # --- data: every rank of a CP group reads the same batches; DP groups read different ones. First: a cache that
     # cannot be trained on (missing or truncated files, another family's) is said within seconds, before the model
     dataset = build_dataset(recipe, spec, cache_reads(spec.name))
-    check_text_lengths(dataset, spec, recipe)
-    batches = make_batches(dataset, recipe, dp_rank=mesh.dp_rank, dp_size=dims.dp, device=device)
+    held, held_indices, excluded = held_out(recipe, dataset, cache_reads(spec.name))  # validation_loss's samples
+    batches = make_batches(dataset, recipe, dp_rank=mesh.dp_rank, dp_size=dims.dp, device=device, exclude=excluded,
+                           tokens_of=token_budget(recipe, spec, dataset))  # fmt: skip
+    check_text_lengths(dataset, spec, recipe, batches.sampler.batch_sizes)  # per bucket (train.batch_tokens)
 
     # --- will it fit? train.estimate's prediction for this layout; refused (one line) when clearly over the device --
     memory = startup_check(recipe, dist.get_world_size(), device)
@@ -506,31 +557,41 @@ def main(argv: list[str] | None = None) -> None:
     model, parallel = build_model(recipe, spec, mesh, device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = build_optimizer(params, t)
+    ema = EMA.of(recipe.ema, model)  # None without `ema`: each rank averages its own shards
 
     # --- resume ---------------------------------------------------------------------------------------------------
-    app = AppState(model, optimizer, trainable_only=recipe.finetune.method == "lora")
-    metrics = MetricsLogger(accelerator, out_dir, recipe_to_dict(recipe), recipe.logging, recipe.name or "run")
+    app = AppState(model, optimizer, trainable_only=recipe.finetune.method == "lora", ema=ema)
+    metrics = MetricsLogger(accelerator, out_dir, recipe_to_dict(recipe), recipe.logging, recipe.name or "run",
+                            run_id=run["run"]["id"])  # fmt: skip
     start, scheduler = resume(recipe, run, args, app, scheduler, batches, metrics, mesh)
-    print_layout(recipe, mesh, parallel, amp, sum(p.numel() for p in params), out_dir)
+    print_layout(recipe, mesh, parallel, amp, sum(p.numel() for p in params), out_dir, batches.describe())
     batches.check_contract(mesh)  # a cheap cross-rank hash of the next batch: CP peers equal, DP groups differ
 
     # --- loop -----------------------------------------------------------------------------------------------------
-    trainer = Trainer(t, spec, model, params, optimizer, scheduler, parallel, batches, mesh, device, amp,
-                      Objective.of(recipe, spec))  # fmt: skip
+    objective = Objective.of(recipe, spec)
+    trainer = Trainer(t, spec, model, params, optimizer, scheduler, parallel, batches, mesh, device, amp, objective,
+                      ema)  # fmt: skip
     # samples from the training transformer as it is (CP + FSDP in place, every rank), state untouched: validation.py
-    validation = Validation(recipe, spec, model, device, amp, metrics, watchdog, start=start)
+    weights = ema.swapped if recipe.ema is not None and recipe.ema.validation else nullcontext
+    validation = Validation(recipe, spec, model, device, amp, metrics, watchdog, start=start, weights=weights)
     validation.at_step(start)  # validation.at_start: a baseline before the first step
+    heldout = None if held is None else HeldOutLoss(recipe.validation_loss, t.max_steps, t.seed, held, held_indices,
+                                                    spec, mesh, device, amp, objective, start=start)  # fmt: skip
+    if heldout and (value := heldout.at_step(model, start)) is not None:  # at_start: the starting weights' value
+        metrics.log({"step": 0, "val_loss": value})
     steps = range(start, t.max_steps)
     if dist.get_rank() == 0 and recipe.logging.progress_bar:
         from tqdm.auto import tqdm
 
         steps = tqdm(steps, initial=start, total=t.max_steps, desc="train")
     stop = StopRequest(device)  # from here on SIGINT/SIGTERM finish the step, write a checkpoint and exit 0
-    save = functools.partial(save_state, recipe, run, app, scheduler, batches, mesh)  # save(step): its checkpoint
+    save = functools.partial(save_state, recipe, spec, run, app, scheduler, batches, mesh)  # save(step): checkpoint
     for step in steps:
         watchdog.phase("train_step", step + 1)
         line = train_step(trainer, step)
-        if (step + 1) % recipe.logging.every_n_steps == 0 or step + 1 == t.max_steps:
+        if heldout and (value := heldout.at_step(model, step + 1)) is not None:
+            line["val_loss"] = value
+        if (step + 1) % recipe.logging.every_n_steps == 0 or step + 1 == t.max_steps or "val_loss" in line:
             metrics.log(line)
         if len(trainer.bad.streak) >= t.max_bad_steps:  # no checkpoint: nothing was applied since the last good step
             raise bad_steps_error(trainer.bad.streak)
@@ -547,7 +608,7 @@ def main(argv: list[str] | None = None) -> None:
     # --- export: atomic, never from non-finite weights; a failed one checkpoints first (resume exports it) ----------
     watchdog.phase("export", t.max_steps)
     if not stop.agreed_signal:  # a stopped run resumes from its checkpoint and exports at its end
-        export(recipe, spec, model, out_dir, lambda: final_checkpoint(out_dir, t.max_steps, save))
+        export(recipe, spec, model, out_dir, ema, lambda: final_checkpoint(out_dir, t.max_steps, save))
     finish(out_dir, t.max_steps, metrics, watchdog, stop, trainer.bad.streak)
 
 

@@ -34,32 +34,53 @@ def peak_memory_bytes(device: torch.device) -> int:
     return rss if sys.platform == "darwin" else rss * 1024
 
 
-class MetricsLogger:
-    """Writes metrics on rank 0 only; every rank calls it (so the call sites stay free of rank checks)."""
+WANDB_STATE = "logged.json"  # <output_dir>/wandb/logged.json: the run's wandb id and the last step it logged
 
-    def __init__(self, accelerator, output_dir: Path, run_config: dict, logging_cfg, run_name: str) -> None:
+
+class MetricsLogger:
+    """Writes metrics on rank 0 only; every rank calls it (so the call sites stay free of rank checks).
+
+    One wandb run per run of the output_dir: its id is the run's (run.json, train/rundir.py), so a resumed run continues
+    the same wandb run (online: wandb's resume; offline: `wandb sync` of its folders fills one run). The last step sent
+    to wandb is kept in `wandb/logged.json`; a resumed run recomputes the steps after its checkpoint (identically) and
+    sends wandb only the steps after that one, so no step is logged twice. No credential is read or written here:
+    online mode uses the user's own `wandb login` (or WANDB_API_KEY)."""
+
+    def __init__(self, accelerator, output_dir: Path, run_config: dict, logging_cfg, run_name: str,
+                 run_id: str | None = None) -> None:  # fmt: skip
         self.accelerator, self.is_main = accelerator, accelerator.is_main_process
         self.path = output_dir / "metrics.jsonl"
         self.use_wandb = logging_cfg.wandb_mode != "disabled"
         self.last_step: int | None = None  # the last step logged to wandb by this process
+        self.state = output_dir / "wandb" / WANDB_STATE
+        self.run_id, self.before = run_id, -1  # wandb holds this run's steps up to here (an earlier process of the run)
         if self.is_main and self.use_wandb:
-            accelerator.init_trackers(
-                logging_cfg.wandb_project,
-                config=run_config,
-                init_kwargs={"wandb": {"mode": logging_cfg.wandb_mode, "dir": str(output_dir), "name": run_name}},
-            )
+            if run_id is not None and self.state.exists():
+                saved = json.loads(self.state.read_text())
+                self.before = saved["last_step"] if saved.get("id") == run_id else 0
+            self.state.parent.mkdir(parents=True, exist_ok=True)
+            wandb = {"mode": logging_cfg.wandb_mode, "dir": str(output_dir), "name": logging_cfg.wandb_run or run_name,
+                     **({"id": run_id, "resume": "allow"} if run_id is not None else {})}  # fmt: skip
+            accelerator.init_trackers(logging_cfg.wandb_project, config=run_config, init_kwargs={"wandb": wandb})
             run = accelerator.get_tracker("wandb", unwrap=True)
             run.define_metric("step")  # charts against the optimizer step (also the end-of-run report's images)
             run.define_metric("*", step_metric="step")
 
-    def log(self, metrics: dict[str, Any], resumed_from: int | None = None) -> None:
+    def _to_wandb(self, step: int) -> bool:
+        return self.is_main and self.use_wandb and step > self.before
+
+    def log(self, metrics: dict[str, Any]) -> None:
         if not self.is_main:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(metrics) + "\n")
-        if self.use_wandb:
-            self.accelerator.log(metrics, step=metrics["step"])
-            self.last_step = metrics["step"]
+        step = metrics["step"]
+        if self._to_wandb(step):
+            self.accelerator.log(metrics, step=step)
+            self.last_step = step
+            tmp = self.state.with_suffix(".tmp")  # after the log: a kill in between repeats one step at most
+            tmp.write_text(json.dumps({"id": self.run_id, "last_step": step}))
+            tmp.rename(self.state)
 
     def log_images(self, paths: list[Path]) -> None:
         """The report's charts (train/report.py) as wandb images under `report/<name>`, at the last logged step."""
@@ -72,7 +93,7 @@ class MetricsLogger:
     def log_media(self, step: int, items: list[tuple[Path, str]]) -> None:
         """Validation samples (train/validation.py) under `validation/<i>` at `step`: mp4 as wandb.Video, images as
         wandb.Image, each with its prompt as caption."""
-        if self.is_main and self.use_wandb and items:
+        if self._to_wandb(step) and items:  # samples of a step logged before the resume are there already
             import wandb
 
             media = {f"validation/{i}": wandb.Video(str(p), caption=text, format="mp4") if p.suffix == ".mp4"

@@ -99,7 +99,9 @@ def _sample_shapes(recipe: Recipe, spec: FamilySpec) -> dict[str, dict[str, Any]
     if recipe.data.synthetic is not None:
         shapes = recipe.data.synthetic.shapes
         return {"synthetic": {s: shapes[s] for s in spec.streams if s in shapes}}
-    tensors = read_manifest(recipe.data.cache_dir).get("tensors", {})
+    tensors = {}
+    for cache in recipe.data.cache_dirs():  # data.cache_dir, or each of data.datasets
+        tensors |= read_manifest(cache).get("tensors", {})
     return {b: {s: t[s]["shape"] for s in spec.streams if s in t} for b, t in tensors.items()}
 
 

@@ -1,14 +1,14 @@
 """The rectified-flow (flow-matching) objective shared by every family.
 
 The pieces of one step, which train/step.py runs in this order for every micro-batch (``x0`` a stream's cached
-latents, ``cond`` the family's clean-conditioning mask or None)::
+latents, ``cond`` the family's clean-conditioning mask or None, ``masks`` the cache's loss masks, if it has them)::
 
     sigmas = sample_stream_sigmas(B, spec, ..., generator=g)    # per stream: (B,), or (B, 1, F, 1, 1) per frame
     noise  = sample_noise(x0.shape, generator=g)                 # per stream
     sigma  = condition_sigmas(sigmas["latents"], cond)           # 0 on clean conditioning elements
     noisy  = add_noise(x0, noise, sigma)                         # (1 - sigma) * x0 + sigma * noise
     target = flow_matching_target(x0, noise)                     # noise - x0
-    loss   = sum(stream_losses(preds, targets, weights, keep).values())  # weights: loss_weight(sigmas, scheme)
+    loss   = sum(stream_losses(preds, targets, weights, keep, masks).values())  # weights: loss_weight(sigmas, scheme)
 
 The density of the base draw ``u`` comes from ``diffusers.training_utils.compute_density_for_timestep_sampling`` and the
 loss weighting from ``compute_loss_weighting_for_sd3`` (the SD3 / Flux / Qwen-Image training recipes); the shift is
@@ -203,15 +203,24 @@ def flow_matching_loss(
     target: torch.Tensor,
     weights: torch.Tensor | None = None,
     keep: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scalar loss, float32 (float64 for float64 predictions, so exactness tests see every digit): per sample, the
     mean over elements of ``(pred - target)**2``, times that sample's weight; then the mean over the batch (the
     diffusers flow-matching training examples' reduction). ``keep``: a 0/1 mask broadcastable to ``pred``; the
-    per-sample mean is then over the kept elements only (conditioning left out)."""
+    per-sample mean is then over the kept elements only (conditioning left out).
+
+    ``mask``: the data's loss mask (``loss_mask``, (B, 1, ...) in [0, 1], broadcast over channels). It multiplies each
+    element's squared error and leaves the normalisation alone: the mean is still over every (kept) element, masked-out
+    ones counting as zeros, as kohya's sd-scripts and diffusion-pipe reduce their masked losses. So an all-ones mask
+    gives exactly the unmasked loss, and a sample's loss scales with its masked area (a small subject weighs less than
+    a whole frame, not more)."""
     if pred.shape != target.shape:
         raise ValueError(f"prediction {tuple(pred.shape)} and target {tuple(target.shape)} differ in shape")
     acc = torch.promote_types(pred.dtype, torch.float32)
     err = (pred.to(acc) - target.to(acc)).pow(2)
+    if mask is not None:  # x * 1.0 is exact: an all-ones mask changes no bit
+        err = err * mask.to(device=err.device, dtype=err.dtype)
     if weights is not None and weights.ndim > 1:  # per element (per-frame sigmas): weight each element, then mean
         err, weights = err * weights.to(device=err.device, dtype=err.dtype), None
     if keep is None:
@@ -229,11 +238,12 @@ def stream_losses(
     targets: Mapping[str, torch.Tensor],
     weights: Mapping[str, torch.Tensor] | None = None,
     keep: Mapping[str, torch.Tensor] | None = None,
+    masks: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """:func:`flow_matching_loss` per stream (sum them, or weight them, for the step's loss); ``keep`` per stream
-    (streams without one keep every element)."""
-    keep = keep or {}
+    """:func:`flow_matching_loss` per stream (sum them, or weight them, for the step's loss); ``keep`` and ``masks``
+    (loss masks) per stream (streams without one keep every element, unmasked)."""
+    keep, masks = keep or {}, masks or {}
     return {
-        k: flow_matching_loss(preds[k], targets[k], None if weights is None else weights[k], keep.get(k))
+        k: flow_matching_loss(preds[k], targets[k], None if weights is None else weights[k], keep.get(k), masks.get(k))
         for k in targets
     }

@@ -13,16 +13,19 @@ manifest. What it does per item (rank r of W takes items r, r + W, ...):
 
 Families with sound (MiniMax-H3) also decode the clip's audio track in the loader (`FamilyEncoder.load_extra`) and
 encode it with their audio VAE (`encode_extra`); editing families (Qwen-Image-Edit, FLUX.1 Kontext) load the item's
-reference image (`data.reference_column`) there and encode it as their pipeline does.
+reference image (`data.reference_column`) there and encode it as their pipeline does. With `data.mask_column`, each
+item's loss mask (an image or a video of the media's size) is decoded and cropped like its media (`load_mask`), pooled
+to the latents' resolution as the family's VAE compresses (`FamilyEncoder.loss_mask`) and stored as `loss_mask`; an
+item without one gets all ones.
 
 Bad items (unreadable/corrupt, too short, too small, no caption, no audio track or reference image where the family
-needs one, NaN/Inf from the encoders) are skipped, counted and listed in the manifest; the run fails if they are more
-than `data.max_bad_fraction` of the source. Resumable: items whose sample file exists and is whole are not encoded again
-(their metadata is re-read; a missing, truncated or damaged file is encoded again), and a resumed run must use the same
-settings (prepare_config.json). The manifest records each sample's size, which the trainer checks at startup.
-Latents are sampled from the VAE posterior with a generator seeded by (train.seed, item index) (`data.latent_sample:
-sample`, the pipelines' own default) or taken as its mean (`mode`), so a resumed or re-sharded run writes the same
-tensors as an uninterrupted one.
+needs one, an unreadable or mismatched loss mask (`bad_mask`), NaN/Inf from the encoders) are skipped, counted and
+listed in the manifest; the run fails if they are more than `data.max_bad_fraction` of the source. Resumable: items
+whose sample file exists and is whole are not encoded again (their metadata is re-read; a missing, truncated or damaged
+file is encoded again), and a resumed run must use the same settings (prepare_config.json). The manifest records each
+sample's size, which the trainer checks at startup. Latents are sampled from the VAE posterior with a generator
+seeded by (train.seed, item index) (`data.latent_sample: sample`, the pipelines' own default) or taken as its mean
+(`mode`), so a resumed or re-sharded run writes the same tensors as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -44,12 +47,13 @@ from typing import Any
 import torch
 
 from train.config import DataConfig, Recipe, add_recipe_args, check_prepare_inputs, recipe_from_args
-from train.data.dataset import CACHE_FORMAT, CACHE_VERSION, safetensors_problem, sample_path
+from train.data.dataset import CACHE_FORMAT, CACHE_VERSION, LOSS_MASK, safetensors_problem, sample_path
 from train.data.media import (
     IMAGE_EXTENSIONS,
     VIDEO_EXTENSIONS,
     BadMediaError,
     Bucket,
+    MediaInfo,
     choose_bucket,
     load_clip,
     probe,
@@ -66,6 +70,7 @@ __all__ = [
     "fingerprint",
     "item_seed",
     "list_source",
+    "load_mask",
     "main",
     "prepare",
     "summary",
@@ -94,6 +99,7 @@ def fingerprint(recipe: Recipe) -> dict[str, Any]:
         "split": data.split,
         "media_column": data.media_column,
         "caption_column": data.caption_column,
+        "mask_column": data.mask_column,
         "buckets": data.buckets,
         "fps": data.fps,
         "max_text_tokens": data.max_text_tokens,
@@ -143,6 +149,8 @@ class SourceItem:
     """How reports name the item: the file relative to the source folder, or `<dataset>[<split>][<row>]`."""
     reference: Any = None
     """The item's reference image (data.reference_column: a path, or a datasets cell), None when it has none."""
+    mask: Any = None
+    """The item's loss mask (data.mask_column: a path, or a datasets cell), None when it has none."""
 
 
 class _Listing:
@@ -193,7 +201,12 @@ def _say_repeats(meta: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def _folder_listing(
-    root: Path, meta: Path | None, caption_column: str, media_column: str | None, reference_column: str = "reference"
+    root: Path,
+    meta: Path | None,
+    caption_column: str,
+    media_column: str | None,
+    reference_column: str = "reference",
+    mask_column: str | None = None,
 ) -> _Listing:
     items: list[SourceItem] = []
     if meta is not None:
@@ -201,11 +214,21 @@ def _folder_listing(
         if not rows:
             raise PrepareError(f"{meta}: no rows")
         key = _pick_media_key(rows[0].keys(), media_column, str(meta))
+        if mask_column is not None and not any(mask_column in row for row in rows):  # a typo would mask nothing
+            raise PrepareError(f"{meta}: no row has a {mask_column!r} key (data.mask_column); name each item's mask "
+                               f"there, or set data.mask_column to one of {sorted(rows[0])}")  # fmt: skip
         _say_repeats(meta, rows)
         for i, row in enumerate(rows):
-            rel, ref = str(row.get(key) or ""), row.get(reference_column)
+            rel, ref, mask = str(row.get(key) or ""), row.get(reference_column), row.get(mask_column or "")
             ref = str(root / ref) if isinstance(ref, str) and ref else None  # relative to the metadata file
-            items.append(SourceItem(i, str(root / rel), _caption(row.get(caption_column)), rel or f"row {i}", ref))
+            mask = str(root / mask) if isinstance(mask, str) and mask else None
+            items.append(
+                SourceItem(i, str(root / rel), _caption(row.get(caption_column)), rel or f"row {i}", ref, mask)
+            )
+    elif mask_column is not None:
+        raise PrepareError(f"{root}: data.mask_column is set, but the folder has no metadata.jsonl/csv to name each "
+                           "item's mask in: add one (file_name, text and the mask column), or set data.mask_column: "
+                           "null")  # fmt: skip
     else:  # media files with caption sidecars: clip.mp4 + clip.txt (the caption) or clip.json ({caption_column: ...})
         files = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS)
         for i, p in enumerate(files):
@@ -271,7 +294,12 @@ def _csv_rows(meta: Path) -> list[dict[str, Any]]:
 
 
 def _datasets_listing(
-    name: str, split: str, caption_column: str, media_column: str | None, reference_column: str = "reference"
+    name: str,
+    split: str,
+    caption_column: str,
+    media_column: str | None,
+    reference_column: str = "reference",
+    mask_column: str | None = None,
 ) -> _Listing:
     import datasets
 
@@ -285,14 +313,20 @@ def _datasets_listing(
         ds = ds.cast_column(key, type(feature)(decode=False))
     if isinstance(ds.features.get(reference_column), datasets.Image):
         ds = ds.cast_column(reference_column, datasets.Image(decode=False))
+    if isinstance(ds.features.get(mask_column or ""), (datasets.Image, datasets.Video)):
+        ds = ds.cast_column(mask_column, type(ds.features[mask_column])(decode=False))
     has_reference = reference_column in ds.column_names
     if caption_column not in ds.column_names:
         raise PrepareError(f"dataset {name} [{split}]: no caption column {caption_column!r}; columns {ds.column_names}")
+    if mask_column is not None and mask_column not in ds.column_names:
+        raise PrepareError(f"dataset {name} [{split}]: no mask column {mask_column!r} (data.mask_column); columns "
+                           f"{ds.column_names}")  # fmt: skip
 
     def get(i: int) -> SourceItem:
         row = ds[i]
         ref = row[reference_column] if has_reference else None
-        return SourceItem(i, row[key], _caption(row[caption_column]), f"{name}[{split}][{i}]", ref)
+        mask = row[mask_column] or None if mask_column is not None else None  # an empty cell: no mask
+        return SourceItem(i, row[key], _caption(row[caption_column]), f"{name}[{split}][{i}]", ref, mask)
 
     return _Listing(len(ds), get)
 
@@ -303,18 +337,20 @@ def list_source(
     media_column: str | None = None,
     split: str = "train",
     reference_column: str = "reference",
+    mask_column: str | None = None,
 ) -> _Listing:
     """The items of `source`: a folder (metadata.jsonl, metadata.csv, or sidecar captions), a metadata file, or a
     `datasets` name/path (load_dataset). Index i is the item's position; sample files are named after it."""
     path = Path(source)
+    columns = (caption_column, media_column, reference_column, mask_column)
     if path.is_file() and path.suffix in (".jsonl", ".csv"):
-        return _folder_listing(path.parent, path, caption_column, media_column, reference_column)
+        return _folder_listing(path.parent, path, *columns)
     if path.is_dir():
         metas = [path / n for n in ("metadata.jsonl", "metadata.csv") if (path / n).is_file()]
         if metas or any(p.suffix.lower() in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS for p in path.rglob("*")):
-            return _folder_listing(path, metas[0] if metas else None, caption_column, media_column, reference_column)
+            return _folder_listing(path, metas[0] if metas else None, *columns)
     # a hub name or a parquet/arrow folder
-    return _datasets_listing(source, split, caption_column, media_column, reference_column)
+    return _datasets_listing(source, split, *columns)
 
 
 # ---------------------------------------------------------------------------------------------------------- processes
@@ -440,7 +476,9 @@ def _open_cache(run: _Run) -> _Listing:
     """The source's items, after checking a resumed cache's settings and (rank 0) recording ours."""
     data, cache = run.data, run.cache
     _check_fingerprint(cache, run.recipe)
-    listing = list_source(data.source, data.caption_column, data.media_column, data.split, data.reference_column)
+    listing = list_source(
+        data.source, data.caption_column, data.media_column, data.split, data.reference_column, data.mask_column
+    )
     if len(listing) == 0:
         raise PrepareError(f"{data.source}: no items")
     if run.procs.rank == 0:
@@ -455,7 +493,7 @@ def _open_cache(run: _Run) -> _Listing:
 
 def _load_item(run: _Run, buckets: list[Bucket], item: SourceItem) -> tuple[str, Any]:
     """("reuse", None) when the sample exists and is whole, ("bad", BadMediaError), or ("ok", (bucket, clip, fps,
-    extra))."""
+    extra, mask))."""
     data = run.data
     if safetensors_problem(sample_path(run.cache, item.index)) is None:  # missing or damaged: encoded (again)
         return "reuse", None
@@ -467,9 +505,43 @@ def _load_item(run: _Run, buckets: list[Bucket], item: SourceItem) -> tuple[str,
         clip = load_clip(item.media, bucket, data.fps, allow_upscale=data.allow_upscale, info=info)
         # e.g. the soundtrack, the reference image of an editing family
         extra = run.encoder.load_extra(item.media, info, bucket, data.fps or info.fps, item.reference)
-        return "ok", (bucket, clip, data.fps or info.fps, extra)
+        mask = None
+        if data.mask_column is not None:  # an item without a mask trains on all of it
+            ones = torch.ones(bucket.frames, bucket.height, bucket.width)
+            mask = ones if item.mask is None else load_mask(item.mask, info, bucket, data.fps, data.allow_upscale)
+        return "ok", (bucket, clip, data.fps or info.fps, extra, mask)
     except BadMediaError as e:
         return "bad", e
+
+
+def load_mask(src: Any, media: MediaInfo, bucket: Bucket, fps: float | None, allow_upscale: bool) -> torch.Tensor:
+    """An item's loss mask at its clip's pixel geometry: float32 (F, H, W) in [0, 1], the mask's first (red) channel /
+    255 (kohya's sd-scripts and diffusion-pipe read that channel too), its frames sampled at `fps` and resized/cropped
+    exactly as `load_clip` does the media's. An image mask holds for every frame; a video mask needs the media's frame
+    count and rate (where both headers state them), and any mask the media's size (so the same crop aligns them).
+    Raises BadMediaError `bad_mask` otherwise, or when the mask cannot be read."""
+    try:
+        info = probe(src)
+        name = info.name
+        problem = None
+        if (info.width, info.height) != (media.width, media.height):
+            size = f"{info.width}x{info.height} (WxH), its media {media.width}x{media.height}"
+            problem = f"is {size}: give it the media's size"
+        elif info.kind == "video" and media.kind == "image":
+            problem = "is a video, its media an image: use an image mask"
+        elif info.kind == "video" and info.num_frames and media.num_frames and info.num_frames != media.num_frames:
+            problem = f"has {info.num_frames} frames, its media {media.num_frames}: give it one frame per media frame"
+        elif info.kind == "video" and info.fps and media.fps and abs(info.fps - media.fps) > 1e-3 * media.fps:
+            problem = f"runs at {info.fps:g} fps, its media at {media.fps:g}: give it the media's frame rate"
+        if problem:
+            raise BadMediaError("bad_mask", f"mask {name} {problem}")
+        still = info.kind == "image"
+        frames = load_clip(src, Bucket(1, bucket.height, bucket.width) if still else bucket, fps,
+                           allow_upscale=allow_upscale, info=info)  # fmt: skip
+    except BadMediaError as e:
+        raise BadMediaError("bad_mask", e.detail if e.reason == "bad_mask" else f"mask: {e.detail}") from None
+    mask = frames[:, 0].float() / 255.0  # (F or 1, H, W)
+    return mask.expand(bucket.frames, -1, -1) if still else mask
 
 
 def _encode_items(run: _Run, listing: _Listing, stop_after: int | None) -> tuple[list[dict[str, Any]], int]:
@@ -516,13 +588,18 @@ def _encode_items(run: _Run, listing: _Listing, stop_after: int | None) -> tuple
     return records, new
 
 
-def _encode_item(run: _Run, item: SourceItem, bucket: Bucket, clip: torch.Tensor, fps: float, extra: Any) -> dict:
-    """VAE + text encoder for one loaded item, written to its sample file; returns its record."""
+def _encode_item(
+    run: _Run, item: SourceItem, bucket: Bucket, clip: torch.Tensor, fps: float, extra: Any, mask: torch.Tensor | None
+) -> dict:
+    """VAE + text encoder for one loaded item (and its loss mask pooled to the latents), written to its sample file;
+    returns its record."""
     encoder, sample = run.encoder, run.data.latent_sample
     gen = None
     if sample == "sample":
         gen = torch.Generator(run.procs.device).manual_seed(item_seed(run.recipe.train.seed, item.index))
     tensors = encoder.encode_media(to_model_input(clip), gen, sample, fps)
+    if mask is not None:  # data.mask_column: at the latents' resolution, as this family's VAE compresses
+        tensors[LOSS_MASK] = encoder.loss_mask(mask, tensors["latents"].shape)
     tensors.update(encoder.encode_extra(extra, gen, sample, fps))
     tensors.update(encoder.encode_item_text(item.caption, run.text_tokens, extra))
     tensors = _cast(tensors, run.dtype)  # checked after the cast: a value past the cache dtype's range becomes Inf

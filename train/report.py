@@ -6,7 +6,8 @@ Reads only what the trainer wrote in output_dir: `metrics.jsonl` (one line per l
 train/metrics.py), `recipe.yaml` (the resolved recipe), `layout.json` (mesh, CP plan, gradient reduction, weights) and
 `memory.json` (train.estimate's prediction at startup, with the world size; written by `record_memory`). Writes one PNG
 per chart (loss raw and smoothed, grad norm, lr, transformer tokens/s, peak memory against step) and `report.md`: the
-recipe, the parallel layout and degrees, the predicted vs measured peak memory, throughput, and where the weights are.
+recipe, the parallel layout and degrees, the data (batch size per bucket; a mixture's datasets and what each
+contributed), the predicted vs measured peak memory, throughput, and where the weights are.
 
 The trainer writes the report at the end of every run (rank 0, after export) through `report_at_end`, which never
 raises: the report is derived from files already on disk, so a plotting failure must not turn a trained, exported run
@@ -30,6 +31,7 @@ SMOOTHING = 0.9  # EMA weight of the smoothed loss (as wandb / TensorBoard "smoo
 # (metrics.jsonl key, file stem, y label, scale): one chart each; the loss chart also draws the smoothed curve
 CHARTS = (
     ("loss", "loss", "loss", 1.0),
+    ("val_loss", "val_loss", "held-out loss (fixed noise and timesteps)", 1.0),
     ("grad_norm", "grad_norm", "gradient norm (before clipping)", 1.0),
     ("lr", "lr", "learning rate", 1.0),
     ("transformer_tokens_per_s", "tokens_per_s", "transformer tokens / s (whole job)", 1.0),
@@ -173,8 +175,10 @@ def summary(run: Run, charts: list[Path]) -> str:
     lines += ["", "## Parallel layout", ""] + _table([
         ("world size", world if world else "not recorded"),
         ("dp_replicate × dp_shard × cp", f"{rep} × {shard} × {cp}"),
-        *[(k.replace("_", " "), v) for k, v in run.layout.items()],
+        *[(k.replace("_", " "), v) for k, v in run.layout.items() if k != "data"],
     ])  # fmt: skip
+    if run.layout.get("data"):
+        lines += ["", "## Data", ""] + _table(_data_rows(run))
     lines += ["", "## Memory and throughput", ""] + _table(_memory_rows(run))
     lines += ["", "## Outputs", ""] + _table(_outputs(run))
     lines += ["", "## Charts", ""] + [f"![{c.stem}]({c.relative_to(out).as_posix()})" for c in charts]
@@ -183,7 +187,8 @@ def summary(run: Run, charts: list[Path]) -> str:
 
 def _result(run: Run) -> list[str]:
     """How the loss went: the steps logged, first, final and lowest loss, and how many steps were skipped."""
-    r, m = run.recipe, run.metrics
+    r, m = run.recipe, [x for x in run.metrics if "loss" in x]  # (step 0's line holds only the held-out loss)
+    held = [x for x in run.metrics if x.get("val_loss") is not None]
     if not m:
         return ["No metrics lines (the run logged no step)."]
     finite = [x for x in m if math.isfinite(x["loss"])]
@@ -196,6 +201,9 @@ def _result(run: Run) -> list[str]:
         ("lowest loss", f"{best['loss']:.6g} (step {best['step']})" if best else "none finite"),
         (f"final grad norm (step {m[-1]['step']})", f"{m[-1]['grad_norm']:.6g}"),
         ("skipped steps (non-finite loss or grad norm)", m[-1].get("bad_steps", 0)),
+        *([(f"held-out loss (step {held[0]['step']} → {held[-1]['step']})",
+            f"{held[0]['val_loss']:.6g} → {held[-1]['val_loss']:.6g} (lowest {min(x['val_loss'] for x in held):.6g})")]
+          if held else []),
     ])  # fmt: skip
 
 
@@ -214,10 +222,14 @@ def _recipe(run: Run, dp: int) -> list[str]:
         "torch.compile" if t.compile else None,
     ]
     data = f"synthetic ({r.data.synthetic.num_samples} samples)" if r.data.synthetic else f"`{r.data.cache_dir}`"
+    if r.data.datasets is not None:
+        data = f"{len(r.data.datasets)} caches mixed (data.datasets: see Data)"
+    batch = (f"batch_size {t.batch_size} × grad_accum {t.grad_accum} × dp {dp} = {t.batch_size * t.grad_accum * dp} "
+             "samples" if t.batch_tokens is None else f"batch_tokens {t.batch_tokens} (a batch size per bucket: see "
+             f"Data) × grad_accum {t.grad_accum} × dp {dp}")  # fmt: skip
     return _table([
         ("family", r.model.family), ("transformer", f"{model}, {r.model.dtype}"), ("method", method),
-        ("batch per step", f"batch_size {t.batch_size} × grad_accum {t.grad_accum} × dp {dp} = "
-                           f"{t.batch_size * t.grad_accum * dp} samples"),
+        ("batch per step", batch),
         ("lr", f"{t.lr:g}, {t.lr_schedule}, warmup {t.warmup_steps}, max_grad_norm {t.max_grad_norm}"),
         ("precision", run.layout.get("mixed_precision", t.mixed_precision)),
         ("activation levers", ", ".join(x for x in levers if x) or "none"), ("data", data),
@@ -225,11 +237,38 @@ def _recipe(run: Run, dp: int) -> list[str]:
     ])  # fmt: skip
 
 
+def _data_rows(run: Run) -> list[tuple[str, object]]:
+    """What the run trained on (layout.json's `data`, train/data/batches.py `Batches.describe`): each bucket's batch
+    size (and tokens per sample, under train.batch_tokens) and samples per epoch; a mixture's datasets: their settings,
+    their planned share of an epoch and what each contributed (the last metrics line's `samples/<name>`: the samples
+    of it the whole job trained on)."""
+    d = run.layout["data"]
+    rows: list[tuple[str, object]] = []
+    for bucket, b in d["buckets"].items():
+        tokens = f", {b['tokens_per_sample']} tokens per sample" if "tokens_per_sample" in b else ""
+        rows.append((f"bucket {bucket}", f"batch size {b['batch_size']}{tokens}; {b['samples_per_epoch']} samples "
+                     "per epoch"))  # fmt: skip
+    rows.append(("batches per epoch (each data-parallel group)", d["batches_per_epoch"]))
+    datasets = d.get("datasets", [])
+    last = next((x for x in reversed(run.metrics) if f"samples/{datasets[0]['name']}" in x), None) if datasets else None
+    planned = sum(x["samples_per_epoch"] for x in datasets)
+    trained = sum(last[f"samples/{x['name']}"] for x in datasets) if last else 0
+    for x in datasets:
+        drawn = f"weight {x['weight']:g}" if x["weight"] is not None else f"repeats {x['repeats']}"
+        said = (f"`{x['cache_dir']}`: {x['samples']} samples, {drawn}, caption dropout {x['caption_dropout']:g}; "
+                f"{x['samples_per_epoch']} per epoch ({x['samples_per_epoch'] / planned:.1%})")  # fmt: skip
+        if last:
+            n = last[f"samples/{x['name']}"]
+            said += f"; trained on {n} by step {last['step']} ({n / max(trained, 1):.1%})"
+        rows.append((f"dataset {x['name']}", said))
+    return rows
+
+
 def _memory_rows(run: Run) -> list[tuple[str, object]]:
     """Predicted vs measured peak memory and throughput. The ratio is given on CUDA only: on CPU the measurement is
     the process's resident set, not the tensor bytes the estimate predicts. The first step is left out of the
     throughput when there are others (it includes warm-up)."""
-    m, mem = run.metrics, run.memory or {}
+    m, mem = [x for x in run.metrics if "loss" in x], run.memory or {}
     predicted = mem.get("predicted_peak_bytes")
     device = mem.get("device_type", "cuda")
     rows = [("predicted peak per rank (train.estimate at startup)",
@@ -262,6 +301,9 @@ def _outputs(run: Run) -> list[tuple[str, object]]:
         exported = "none (checkpoint.export: none)"
     else:
         exported = f"`{weights[0]}` ({kind}; load with {weights[1]})" if weights[0].exists() else "not written"
+        ema = weights[0].with_name(f"{weights[0].name}_ema")
+        if r.ema is not None:
+            exported += f"; its EMA (decay {r.ema.decay:g}): `{ema}`" if ema.exists() else "; its EMA: not written"
     checkpoints = sorted((out / "checkpoints").glob("step_*")) if (out / "checkpoints").is_dir() else []
     wandb_runs = sorted((out / "wandb").glob("offline-run-*")) + sorted((out / "wandb").glob("run-*"))
     wandb = ", ".join(f"`{w}`" for w in wandb_runs) or "none"

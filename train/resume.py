@@ -33,8 +33,10 @@ RULES: dict[str, str] = {
     "data.num_workers": APPLY,
     "data.max_bad_fraction": APPLY,  # train.prepare only
     "data.text_encoder_dtype": APPLY,  # train.prepare only
+    "data.datasets.*.caption_dropout": APPLY,  # (`*`: any list item) drawn per step, as train.caption_dropout
     "train": APPLY,
     "train.batch_size": SAME,
+    "train.batch_tokens": SAME,
     "train.grad_accum": SAME,
     "train.seed": SAME,
     "train.optimizer": SAME,  # another optimizer's state (quantized or not) cannot be restored into this one's
@@ -46,14 +48,19 @@ RULES: dict[str, str] = {
     "logging": APPLY,
     "checkpoint": APPLY,
     "validation": APPLY,  # samples only: no training state
+    "ema": SAME,  # its average is in the checkpoint: it cannot start, stop or change its rule mid-run
+    "ema.validation": APPLY,
+    "validation_loss": APPLY,  # evaluation only
+    "validation_loss.fraction": SAME,  # the split decides which samples train
     "output_dir": APPLY,
     "name": APPLY,
 }
 
 
 def rule(path: str) -> str:
-    """The class of a dotted recipe path: its longest prefix in RULES (unlisted sections: same, to be safe)."""
-    parts = path.split(".")
+    """The class of a dotted recipe path: its longest prefix in RULES (unlisted sections: same, to be safe); a list
+    item's index matches `*`."""
+    parts = ["*" if p.isdigit() else p for p in path.split(".")]
     for n in range(len(parts), 0, -1):
         if ".".join(parts[:n]) in RULES:
             return RULES[".".join(parts[:n])]
@@ -64,6 +71,9 @@ def _leaves(d: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     if isinstance(d, Mapping) and not (prefix.endswith("init_config") or prefix.endswith("shapes")):
         for k, v in d.items():
             yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(d, list) and d and all(isinstance(x, Mapping) for x in d):  # data.datasets: a rule per field
+        for i, x in enumerate(d):
+            yield from _leaves(x, f"{prefix}.{i}")
     else:
         yield prefix, d
 

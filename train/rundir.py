@@ -33,7 +33,7 @@ from train.errors import UserError
 RUN_FILE = "run.json"
 ARCHIVE = "archive"
 # A run's state: what a fresh run would overwrite, truncate or mix with its own.
-EXPORTS = ("transformer", "lora")
+EXPORTS = ("transformer", "lora", "transformer_ema", "lora_ema")
 # Everything a run writes into its output_dir (moved together by --archive-previous; the lock stays).
 RUN_FILES = ("checkpoints", "metrics.jsonl", *EXPORTS, "samples", "wandb", "report", "report.md", "layout.json",
              "recipe.yaml", "memory.json", "stopped.json", RUN_FILE)  # fmt: skip

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from train import objective as fm
+from train.data.dataset import LOSS_MASK
 from train.models.spec import FamilySpec
 
 
@@ -108,12 +109,17 @@ def loss_of(
     spec: FamilySpec, inputs: StepInputs, out: Any, objective: Objective, *, model_config: Mapping[str, Any]
 ) -> torch.Tensor:
     """The flow-matching loss of the model's output, summed over streams: predictions in the cached layout against
-    `noise - x0`, weighted per sample, conditioning elements left out (float32; float64 for float64 predictions)."""
+    `noise - x0`, weighted per sample, conditioning elements left out, the primary stream's squared errors times the
+    batch's `loss_mask` when the cache has one (`fm.flow_matching_loss`) (float32; float64 for float64 predictions).
+
+    The predictions are whole here under context parallelism too (the CP plan gathers the transformer's output), so
+    the mask needs no CP code."""
     preds = spec.predictions(out, inputs.shapes, model_config=model_config)
     targets = {s: fm.flow_matching_target(inputs.x0[s], inputs.noise[s]) for s in inputs.x0}
     weights = {s: fm.loss_weight(inputs.sigmas[s], objective.loss_weighting) for s in inputs.x0}
     keep = {} if inputs.condition is None else {"latents": 1.0 - inputs.condition}
-    return sum(fm.stream_losses(preds, targets, weights, keep).values())
+    masks = {"latents": inputs.batch[LOSS_MASK]} if LOSS_MASK in inputs.batch else {}  # a training-only batch key
+    return sum(fm.stream_losses(preds, targets, weights, keep, masks).values())
 
 
 def micro_batch_loss(

@@ -133,7 +133,7 @@ def to_uint8(x: np.ndarray) -> np.ndarray:
 
 
 @contextmanager
-def _inference(model: torch.nn.Module):
+def inference(model: torch.nn.Module):
     """eval() and no_grad for the call; afterwards every module's own train/eval flag as it was."""
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
@@ -149,10 +149,12 @@ class Validation:
     """Renders the recipe's validation samples at the steps it names; every rank calls `at_step` after each step."""
 
     def __init__(self, recipe: Recipe, spec: FamilySpec, model: torch.nn.Module, device: torch.device,
-                 amp: torch.dtype | None, metrics, watchdog=None, start: int = 0) -> None:  # fmt: skip
+                 amp: torch.dtype | None, metrics, watchdog=None, start: int = 0,
+                 weights=nullcontext) -> None:  # fmt: skip
         self.cfg: ValidationConfig | None = recipe.validation
         self.recipe, self.spec, self.model, self.device, self.amp = recipe, spec, model, device, amp
         self.metrics, self.watchdog, self.start = metrics, watchdog, start
+        self.weights = weights  # the weights samples are rendered with: the model's own, or (ema.validation) the EMA's
         self.pipe = None
         if self.cfg is not None:
             check_validation(recipe, spec)
@@ -245,8 +247,8 @@ class Validation:
         devices = [self.device] if self.device.type == "cuda" else []
         autocast = torch.autocast(self.device.type, dtype=self.amp) if self.amp is not None else nullcontext()
         written = []
-        with (self._components_on_device(), _inference(self.model), torch.random.fork_rng(devices=devices),
-              autocast):  # fmt: skip
+        with (self._components_on_device(), self.weights(), inference(self.model),
+              torch.random.fork_rng(devices=devices), autocast):  # fmt: skip
             for i, path in enumerate(paths):
                 out = self.pipe(**self._kwargs(i, step))[0][0]  # (F, H, W, 3) video or (H, W, 3) image, in [0, 1]
                 out = np.asarray(out.float().cpu() if isinstance(out, torch.Tensor) else out, dtype=np.float32)

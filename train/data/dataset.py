@@ -15,6 +15,10 @@ Each sample file holds tensors (per sample, no batch dim; floating tensors in th
     prompt_mask     (L,) bool, True = real token (kept for every family, even those whose pipeline passes no mask)
     pooled_embeds   (D2,) when the family has one (Flux: CLIP pooled)
     family extras   ChronoEdit: condition_latents (C, F, H, W), image_embeds (N, D3); LTX: frame_rate () float32
+    loss_mask       (1, ...) float in [0, 1], the latents' shape with one channel, in every sample of a cache prepared
+                    with data.mask_column (none otherwise): the item's mask pooled to latent resolution
+                    (`FamilyEncoder.loss_mask`), multiplying the squared error of the latents in the loss
+                    (train/objective.py); a training-only key that no family's forward reads
 
 and string metadata: caption, source (file path or dataset row), bucket ("FxHxW", the pixel clip shape), family,
 index. `manifest.json` has: format, version, family, pretrained_path, settings, counts (total/ok/bad, bad by reason),
@@ -30,11 +34,14 @@ for NaN/Inf when it is loaded. A problem is one `UserError` line naming the cach
 Sampling contract (`BucketBatchSampler`): every batch comes from one bucket (same shapes, so it stacks); the batch
 sequence depends only on (seed, epoch, dp_rank, dp_size), so all ranks of a context-parallel group (same dp_rank) get
 the same batches and different data-parallel groups get disjoint ones; it runs forever over epochs, and
-`state_dict()` records the exact position so a resumed run continues with the very next batch.
+`state_dict()` records the exact position so a resumed run continues with the very next batch. Several caches
+(`MixedDataset`, data.datasets) are one index space whose epoch holds each cache's samples its repeats times or its
+weighted share (`Share`); a batch size per bucket (train.batch_tokens) cuts each bucket with its own size.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import sys
@@ -51,8 +58,11 @@ from .synthetic_latents import SyntheticLatentDataset
 __all__ = [
     "CACHE_FORMAT",
     "CACHE_VERSION",
+    "LOSS_MASK",
     "BucketBatchSampler",
     "CachedLatentDataset",
+    "MixedDataset",
+    "Share",
     "SyntheticLatentDataset",
     "collate",
     "pad_text",
@@ -64,6 +74,7 @@ __all__ = [
 CACHE_FORMAT = "ctxtrain-latent-cache"
 CACHE_VERSION = 1
 TEXT_KEYS = ("prompt_embeds", "prompt_mask")
+LOSS_MASK = "loss_mask"  # the optional per-sample loss mask (module doc); train/step.py applies it
 
 
 def sample_path(cache_dir: str | Path, index: int) -> Path:
@@ -279,6 +290,14 @@ class CachedLatentDataset:
     def __len__(self) -> int:
         return len(self.samples)
 
+    def bucket_shapes(self, bucket: str) -> dict[str, list[int]]:
+        """Per-sample shape of each tensor of `bucket`'s samples: from the manifest, else (an older cache) from its
+        first sample's file."""
+        tensors = self.manifest.get("tensors", {}).get(bucket)
+        if tensors is not None:
+            return {k: list(v["shape"]) for k, v in tensors.items()}
+        return {k: list(v.shape) for k, v in self[self.buckets.index(bucket)].items()}
+
     def _load(self, path: Path) -> dict[str, torch.Tensor]:
         """The tensors of one file: refused (UserError naming it) when unreadable; a warning naming it when not finite.
         Only the ranks that read this item (one CP group) see the problem, hence same_on_every_rank=False."""
@@ -329,10 +348,60 @@ class CachedLatentDataset:
         return self._load(self.cache_dir / "empty_prompt.safetensors")
 
 
+class MixedDataset:
+    """Several caches as one dataset (data.datasets): cache k's item j is index `offsets[k] + j`, the index space the
+    sampler draws from (`Share`s in the same order). Text is padded to the longest of all the caches, so a batch
+    stacks whichever caches its samples come from; each cache keeps its own empty caption (caption dropout)."""
+
+    def __init__(self, parts: Sequence[CachedLatentDataset], names: Sequence[str]) -> None:
+        self.parts, self.names = list(parts), list(names)
+        self.offsets = [0]
+        for part in self.parts:
+            self.offsets.append(self.offsets[-1] + len(part))
+        lengths = [p.text_length for p in self.parts]
+        if None not in lengths:
+            for part in self.parts:
+                part.text_length = max(lengths)
+        self.buckets: list[str] = [b for p in self.parts for b in p.buckets]
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    def part_of(self, i: int) -> tuple[int, int]:
+        """(cache k, its item j) of index i."""
+        k = bisect.bisect_right(self.offsets, i) - 1
+        return k, i - self.offsets[k]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        k, j = self.part_of(i)
+        return self.parts[k][j]
+
+    def sample_id(self, i: int) -> str:
+        """`<name>: <cache_dir>/<sample file>`: the dataset and the file of index i, for error messages."""
+        k, j = self.part_of(i)
+        return f"{self.names[k]}: {self.parts[k].cache_dir / self.parts[k].samples[j]['file']}"
+
+    def bucket_shapes(self, bucket: str) -> dict[str, list[int]]:
+        return next(p.bucket_shapes(bucket) for p in self.parts if bucket in p.buckets)
+
+    def text_lengths(self) -> list[int]:
+        return [n for p in self.parts for n in p.text_lengths()]
+
+    def empty_prompts(self) -> list[dict[str, torch.Tensor]]:
+        """Each cache's empty caption (padded like every item), for caption dropout."""
+        return [p.empty_prompt() for p in self.parts]
+
+
 def collate(items: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Stack items into a batch (B, ...); text of unequal length is right-padded to the longest (mask False)."""
+    """Stack items into a batch (B, ...); text of unequal length is right-padded to the longest (mask False). When only
+    some items have a `loss_mask` (caches with and without masks in one batch), the others get all ones: trained whole,
+    as they would be alone."""
     if not items:
         raise ValueError("collate: no items")
+    masked = [it for it in items if LOSS_MASK in it]
+    if masked and len(masked) < len(items):
+        ones = torch.ones_like(masked[0][LOSS_MASK])
+        items = [it if LOSS_MASK in it else {**it, LOSS_MASK: ones} for it in items]
     keys = set(items[0])
     for it in items[1:]:
         if set(it) != keys:
@@ -349,71 +418,165 @@ def collate(items: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tens
     return out
 
 
+@dataclass(frozen=True)
+class Share:
+    """How the sampler draws one dataset of a mixture (data.datasets), whose `samples` indices follow the previous
+    dataset's in the combined index space: each sample `repeats` times per epoch, or, with a `weight`, a share of the
+    weighted datasets' epoch (together they fill as many samples as they hold, split in proportion to weight)."""
+
+    samples: int
+    repeats: int = 1
+    weight: float | None = None
+
+
+def apportion(total: int, weights: Sequence[float]) -> list[int]:
+    """`total` split in proportion to `weights` in whole numbers that sum to it (largest remainders; ties to the
+    first): the same on every rank (the same float operations in the same order)."""
+    if not weights or total == 0:
+        return [0] * len(weights)
+    exact = [total * w / sum(weights) for w in weights]
+    out = [int(x) for x in exact]
+    order = sorted(range(len(weights)), key=lambda i: (out[i] - exact[i], i))
+    for i in order[: total - sum(out)]:
+        out[i] += 1
+    return out
+
+
 class BucketBatchSampler:
     """Infinite batches of dataset indices, one bucket per batch, split across data-parallel groups.
 
-    Epoch e: a generator seeded with (seed, e) shuffles each bucket's indices (when `shuffle`), cuts them into batches
-    of `batch_size` (the last short batch of a bucket is dropped when `drop_last`, else kept), and shuffles the batch
-    order. That global list is the same on every rank; data-parallel group `dp_rank` takes batches dp_rank,
-    dp_rank + dp_size, ... so the groups see disjoint batches and every CP rank of a group sees the same ones. Every
-    group gets the same number of batches per epoch (`len(self)`): extra batches are dropped (drop_last) or the list
-    wraps around (drop_last=False) so that no rank waits for a batch that never comes.
+    Epoch e: the epoch's samples per bucket (every index once; for a mixture, `shares`: each dataset's samples its
+    repeats times, or a weighted dataset's quota, split over its buckets in proportion to their sizes so that every
+    epoch holds as many samples of each bucket, its samples each quota // size times plus a seeded draw of the rest,
+    a new one every epoch); a generator seeded with (seed, e) shuffles each bucket's samples (when `shuffle`), cuts
+    them into batches of the bucket's batch size (`batch_size`: one for all, or per bucket, from train.batch_tokens;
+    the last short batch of a bucket is dropped when `drop_last`, else kept), and shuffles the batch order. That
+    global list is the same on every rank; data-parallel group `dp_rank` takes batches dp_rank, dp_rank + dp_size,
+    ... so the groups see disjoint batches and every CP rank of a group sees the same ones. Every group gets the same
+    number of batches per epoch (`len(self)`, the same every epoch): extra batches are dropped (drop_last) or the list
+    wraps around (drop_last=False) so that no rank waits for a batch that never comes. `exclude`: indices never
+    drawn (a held-out split).
     """
 
     def __init__(
         self,
         dataset_buckets: Sequence[str],
-        batch_size: int,
+        batch_size: int | Mapping[str, int],
         dp_rank: int = 0,
         dp_size: int = 1,
         seed: int = 0,
         shuffle: bool = True,
         drop_last: bool = True,
+        exclude: frozenset[int] = frozenset(),
+        shares: Sequence[Share] = (),
     ) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        buckets = sorted({str(b) for b in dataset_buckets})
+        sizes = {b: batch_size for b in buckets} if isinstance(batch_size, int) else {b: batch_size[b] for b in buckets}
+        if min(sizes.values(), default=1) < 1:
+            raise ValueError(f"batch sizes must be >= 1, got {sizes}")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
-        self.batch_size, self.dp_rank, self.dp_size = batch_size, dp_rank, dp_size
-        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         self.num_samples = len(dataset_buckets)
-        self._groups: dict[str, list[int]] = {}
-        for i, b in enumerate(dataset_buckets):
-            self._groups.setdefault(str(b), []).append(i)
-        full = [len(v) // batch_size for v in self._groups.values()]
-        total = sum(full) if drop_last else sum(-(-len(v) // batch_size) for v in self._groups.values())
+        self.shares = tuple(shares) or (Share(self.num_samples),)
+        if sum(s.samples for s in self.shares) != self.num_samples:
+            raise ValueError(f"shares cover {sum(s.samples for s in self.shares)} samples of {self.num_samples}")
+        self.batch_size = batch_size if isinstance(batch_size, int) else dict(sizes)  # as given: the state records it
+        self.batch_sizes = sizes  # per bucket
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        # (bucket, dataset) -> its indices, ascending (one dataset: each bucket's indices, as before mixtures)
+        self._strata: dict[tuple[str, int], list[int]] = {}
+        start = 0
+        for k, share in enumerate(self.shares):
+            for i in range(start, start + share.samples):
+                if i not in exclude:  # held out of training (validation_loss's seeded split)
+                    self._strata.setdefault((str(dataset_buckets[i]), k), []).append(i)
+            start += share.samples
+        self._quota = self._quotas()
+        self.counts = {b: sum(q for (bb, _), q in self._quota.items() if bb == b) for b in buckets}  # per epoch
+        per_bucket = [n // sizes[b] if drop_last else -(-n // sizes[b]) for b, n in self.counts.items()]
+        total = sum(per_bucket)
         self._per_rank = total // dp_size if drop_last else -(-total // dp_size)
         if self._per_rank == 0:
-            counts = {k: len(v) for k, v in sorted(self._groups.items())}
+            what = f"batches of {batch_size}" if isinstance(batch_size, int) else f"batches (per bucket: {sizes})"
             raise UserError(
-                f"{self.num_samples} samples (per bucket: {counts}) make {total} batches of {batch_size}, fewer than "
-                f"the {dp_size} data-parallel groups: lower train.batch_size, add samples, or use fewer DP ranks"
+                f"{self.num_samples} samples (per bucket and epoch: {self.counts}) make {total} {what}, fewer than "
+                f"the {dp_size} data-parallel groups: lower train.batch_size (or train.batch_tokens), add samples, or "
+                "use fewer DP ranks"
             )
+        self._cached: tuple[int, list[list[int]]] | None = None  # (epoch, its global batch list)
         self.epoch = 0
         self.index = 0
+
+    def _quotas(self) -> dict[tuple[str, int], int]:
+        """Samples per epoch of each (bucket, dataset): its size × repeats, or, weighted, the dataset's quota split
+        over its buckets by size (so the per-bucket counts, hence the batches per epoch, are the same every epoch)."""
+        size = [sum(len(v) for (_, k), v in self._strata.items() if k == j) for j in range(len(self.shares))]
+        weighted = [k for k, s in enumerate(self.shares) if s.weight is not None and size[k]]
+        # e.g. 6 + 40 samples weighted 2 : 1 -> 31 + 15 per epoch: the small dataset's samples 5 times, 1 of them 6
+        total = sum(size[k] for k in weighted)
+        quota = dict(zip(weighted, apportion(total, [self.shares[k].weight for k in weighted])))
+        out = {}
+        for k, share in enumerate(self.shares):
+            strata = sorted((b, len(v)) for (b, j), v in self._strata.items() if j == k)
+            split = apportion(quota.get(k, 0), [n for _, n in strata]) if share.weight is not None else None
+            for s, (b, n) in enumerate(strata):
+                out[(b, k)] = n * share.repeats if split is None else split[s]
+        return out
+
+    def plan(self) -> list[int]:
+        """Samples per epoch of each dataset (the shares' order), before batching."""
+        return [sum(q for (_, j), q in self._quota.items() if j == k) for k in range(len(self.shares))]
 
     def __len__(self) -> int:
         """Batches per epoch for this data-parallel group."""
         return self._per_rank
 
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """This group's batches of `epoch`, in order."""
+    def _epoch_samples(self, epoch: int) -> dict[str, list[int]]:
+        """Each bucket's samples of `epoch`, before shuffling. Weighted quotas that are not whole multiples of a
+        bucket's samples draw the rest from a generator of their own: one dataset (or repeats only) draws nothing,
+        and its sequence is the one it had before mixtures."""
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch + 0x5EED_0000)
+        out: dict[str, list[int]] = {}
+        for (bucket, k), idx in sorted(self._strata.items()):
+            copies, extra = divmod(self._quota[(bucket, k)], len(idx))
+            drawn = idx * copies
+            if extra:
+                drawn += [idx[j] for j in sorted(torch.randperm(len(idx), generator=gen)[:extra].tolist())]
+            out.setdefault(bucket, []).extend(drawn)
+        return out
+
+    def _global(self, epoch: int) -> list[list[int]]:
+        """The batches of `epoch` for all data-parallel groups (group r's are r, r + dp_size, ...)."""
+        if self._cached is not None and self._cached[0] == epoch:
+            return self._cached[1]
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         batches: list[list[int]] = []
-        for bucket in sorted(self._groups):
-            idx = self._groups[bucket]
+        for bucket, idx in sorted(self._epoch_samples(epoch).items()):
             if self.shuffle:
                 idx = [idx[j] for j in torch.randperm(len(idx), generator=gen).tolist()]
-            for s in range(0, len(idx), self.batch_size):
-                chunk = idx[s : s + self.batch_size]
-                if len(chunk) == self.batch_size or not self.drop_last:
+            size = self.batch_sizes[bucket]
+            for s in range(0, len(idx), size):
+                chunk = idx[s : s + size]
+                if len(chunk) == size or not self.drop_last:
                     batches.append(chunk)
         if self.shuffle:
             batches = [batches[j] for j in torch.randperm(len(batches), generator=gen).tolist()]
         need = self._per_rank * self.dp_size
         while len(batches) < need:  # drop_last=False: wrap around so every group gets as many batches
             batches += batches[: need - len(batches)]
-        return batches[self.dp_rank : need : self.dp_size]
+        self._cached = (epoch, batches[:need])
+        return self._cached[1]
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """This group's batches of `epoch`, in order."""
+        return self._global(epoch)[self.dp_rank :: self.dp_size]
+
+    def job_batch(self) -> list[int]:
+        """The samples of every data-parallel group's batch at the position of the batch just handed out (the whole
+        job's micro-batch): what each dataset contributes, counted alike on every rank without a collective."""
+        i = self.index - 1
+        return [x for b in self._global(self.epoch)[i * self.dp_size : (i + 1) * self.dp_size] for x in b]
 
     def __iter__(self) -> Iterator[list[int]]:
         while True:
@@ -424,9 +587,12 @@ class BucketBatchSampler:
                 yield batch
             self.epoch, self.index = self.epoch + 1, 0
 
-    def state_dict(self) -> dict[str, int]:
-        """Position of the next batch (epoch, index) plus what the sequence depends on (checked on load)."""
-        return {
+    SETTINGS = ("seed", "batch_size", "num_samples", "shuffle", "drop_last", "mixture")  # what the order depends on
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position of the next batch (epoch, index) plus what the sequence depends on (checked on load); a mixture
+        adds each dataset's [samples, repeats, weight]."""
+        state = {
             "epoch": self.epoch,
             "index": self.index,
             "seed": self.seed,
@@ -436,19 +602,21 @@ class BucketBatchSampler:
             "shuffle": int(self.shuffle),
             "drop_last": int(self.drop_last),
         }
+        if self.shares != (Share(self.num_samples),):
+            state["mixture"] = [[s.samples, s.repeats, s.weight] for s in self.shares]
+        return state
 
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a saved position; call iter() again afterwards.
 
-        seed, batch_size, sample count, shuffle and drop_last must match (else a different sequence would silently be
-        resumed). A different dp_size (resuming on another number of GPUs) is allowed: each group resumes at the same
-        point of the epoch's global batch list (exact when the old position x old dp_size divides by the new).
+        seed, batch size(s), sample count, shuffle, drop_last and the mixture must match (else a different sequence
+        would silently be resumed). A different dp_size (resuming on another number of GPUs) is allowed: each group
+        resumes at the same point of the epoch's global batch list (exact when the old position x old dp_size divides
+        by the new).
         """
-        mismatched = [
-            f"{k}: saved {state[k]}, now {v}"
-            for k, v in self.state_dict().items()
-            if k in state and k not in ("epoch", "index", "dp_size") and int(state[k]) != int(v)
-        ]
+        now = self.state_dict()
+        changed = [k for k in self.SETTINGS if state.get(k) != now.get(k)]
+        mismatched = [f"{k}: saved {state.get(k)}, now {now.get(k)}" for k in changed]
         if mismatched:
             raise ValueError("cannot resume the data order: " + "; ".join(mismatched))
         self.epoch, self.index = int(state["epoch"]), int(state["index"])

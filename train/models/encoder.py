@@ -16,11 +16,12 @@ from __future__ import annotations
 import functools
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 
 from train.data.media import Geometry
 from train.errors import UserError
@@ -28,6 +29,7 @@ from train.errors import UserError
 __all__ = [
     "FamilyEncoder",
     "SampleMode",
+    "causal_frame_cells",
     "load_processor_without_video",
     "load_reference_image",
     "mean_std_normalise",
@@ -105,6 +107,24 @@ def _refused_pickle(pretrained_path: str, error: Exception) -> UserError:
 def transformer_patch(config: Mapping[str, Any] | None, key: str, default: Any) -> Any:
     """A transformer config value (e.g. its patch size), or the family default when the config is unknown."""
     return default if config is None else config.get(key, default)
+
+
+def causal_frame_cells(frames: int, stride: int, chunk: int | None = None) -> list[range]:
+    """The pixel frames each latent frame of a causal video VAE encodes, in order: the clip is cut into chunks of
+    `chunk` frames (None: one chunk, the whole clip), and each chunk, front-padded to a multiple of `stride` as the
+    VAE's causal convolutions pad it, gives one latent frame per `stride` padded frames. A chunk of ``stride * k + 1``
+    frames thus keeps its first frame alone, then `stride` frames per latent frame (Wan, HunyuanVideo, LTX-Video: 9
+    frames at stride 4 -> [0], [1-4], [5-8]); MiniMax-H3's 17-frame chunks at stride 4 do the same per chunk. Frames
+    past the clip (a padded last chunk) belong to no cell; the cells they alone would fill come last and are empty."""
+    chunk = chunk or frames
+    pad = (-chunk) % stride  # the causal front padding: the first latent frame sees `stride - pad` real frames
+    cells = []
+    for start in range(0, frames, chunk):
+        end = min(start + chunk, frames)
+        for k in range((chunk + pad) // stride):
+            first, last = start + k * stride - pad, start + (k + 1) * stride - pad
+            cells.append(range(max(first, start), min(last, end)))
+    return cells
 
 
 def mean_std_normalise(z: torch.Tensor, latents_mean, latents_std) -> torch.Tensor:
@@ -188,6 +208,32 @@ class FamilyEncoder(ABC):
         if self.spec.latent_kind == "image":
             return {"latents": (channels, height // spatial, width // spatial)}
         return {"latents": (channels, (frames - 1) // temporal + 1, height // spatial, width // spatial)}
+
+    def loss_mask(self, mask: torch.Tensor, latents_shape: Sequence[int]) -> torch.Tensor:
+        """An item's loss mask at latent resolution: float32 (1, *latents_shape[1:]) in [0, 1], from `mask` (F, H, W)
+        in [0, 1], the mask at its clip's pixel geometry (cropped and resized as the media, train.prepare).
+
+        Mean pooling: each latent cell gets the mean of the mask over the pixels and frames the VAE encodes into it
+        (area interpolation, as kohya's sd-scripts resizes its loss masks), so a cell half inside the mask weighs half,
+        and grey masks stay weights. Max pooling would give every cell that touches the mask full weight, training on
+        the masked-out pixels around its edge at full strength. The spatial strides are H / H' and W / W' of the
+        latents this VAE wrote (any patchifying of the cached latents included: Flux.2's 2x2); the frames of each
+        latent frame come from `latent_frame_cells`."""
+        grid = tuple(latents_shape[1:])
+        (frames, height, width), (lat_h, lat_w) = mask.shape, grid[-2:]
+        lat_f = grid[0] if len(grid) == 3 else 1  # image families: (C, H', W')
+        assert height % lat_h == 0 and width % lat_w == 0, (mask.shape, grid)  # buckets are VAE-stride multiples
+        spatial = F.avg_pool2d(mask.float()[:, None], (height // lat_h, width // lat_w))[:, 0]  # (F, H', W')
+        cells = [range(frames)] if lat_f == 1 else self.latent_frame_cells(frames, lat_f)
+        return torch.stack([spatial[cell.start : cell.stop].mean(0) for cell in cells]).reshape(1, *grid)
+
+    def latent_frame_cells(self, frames: int, latent_frames: int) -> list[range]:
+        """The pixel frames each of the `latent_frames` latent frames encodes, for a clip of `frames` (> 1 latent
+        frame). Default: a causal video VAE over the whole clip (`causal_frame_cells`; frames = stride * k + 1, the
+        stride from the two counts). A family whose VAE groups frames otherwise overrides this (MiniMax-H3)."""
+        stride, rest = divmod(frames - 1, latent_frames - 1)
+        assert rest == 0, (frames, latent_frames)  # Geometry.check admitted only stride * k + 1 frames
+        return causal_frame_cells(frames, stride)
 
     @abstractmethod
     def _geometry(self, vae_config: Mapping[str, Any], tr_config: Mapping[str, Any] | None) -> tuple[int, int, int]:

@@ -8,7 +8,12 @@ import math
 import torch
 
 from train.data.media import Geometry
-from train.models.encoder import FamilyEncoder, load_processor_without_video, transformer_patch
+from train.models.encoder import (
+    FamilyEncoder,
+    causal_frame_cells,
+    load_processor_without_video,
+    transformer_patch,
+)
 
 
 def load_qwen3vl_processor_without_torchvision(path: str, subfolder: str = "processor", revision: str | None = None):
@@ -53,6 +58,12 @@ class MiniMaxH3Encoder(FamilyEncoder):
         # the video VAE encodes clips of 17 frames into 5 latent frames; audio latents at the released 24 fps
         video = (24, video_latent_num_frames(frames, 17, 5), height // 16, width // 16)
         return {"latents": video, "audio_latents": (2, 32, audio_latent_num_frames(frames, fps or 24.0))}
+
+    def latent_frame_cells(self, frames, latent_frames):
+        # AutoencoderKLMiniMaxH3._encode: clip_length-frame chunks (the last one padded), each causal at the temporal
+        # ratio, then the trailing token_drop latent frames cut: 17n + 5 frames -> 5n + 2 latent frames
+        vae = self.pipe.vae
+        return causal_frame_cells(frames, vae.temporal_compression_ratio, vae.config.clip_length)[:latent_frames]
 
     def text_tokens(self, max_text_tokens: int | None) -> int | None:
         return max_text_tokens  # None: the whole prompt, as the pipeline encodes it (it neither pads nor truncates)

@@ -1,0 +1,95 @@
+"""The held-out loss (`validation_loss`): the training objective on samples the run never trains on, comparable
+across steps and runs.
+
+Held out: another cache (`validation_loss.cache_dir`, evaluated whole), or a seeded share of the training cache
+(`fraction`: `split`, whose indices the training sampler excludes). Sample i (its index in the held-out set's own
+dataset) is evaluated alone, at the sigmas and noise drawn from a generator seeded by (train.seed, i): the same every
+evaluation, whatever the step, the layout or the number of ranks. The value is the mean over the held-out samples.
+
+Under CP every rank of a CP group evaluates the same sample (its forward is the CP forward); data-parallel groups take
+every dp-th sample. Every rank runs the same number of forwards (FSDP's all-gathers span the whole mesh): a group
+with fewer samples pads with a repeat that counts zero.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from train.data.dataset import CachedLatentDataset, CacheReads, collate
+from train.errors import UserError
+from train.step import Objective, micro_batch_loss
+from train.validation import inference
+
+
+def split(n: int, fraction: float, seed: int) -> list[int]:
+    """The training-cache indices held out: round(fraction · n) of them (at least 1, leaving at least 1 to train),
+    chosen by a generator seeded with `seed` (the same on every rank), sorted."""
+    k = max(1, round(fraction * n))
+    if k >= n:
+        raise UserError(f"validation_loss.fraction {fraction:g} of {n} sample(s) leaves none to train on: lower it, "
+                        "or give a cache of its own (validation_loss.cache_dir)")  # fmt: skip
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + 17)).tolist()
+    return sorted(order[:k])
+
+
+def held_out(recipe, dataset, reads: CacheReads | str) -> tuple[object, list[int], frozenset[int]]:
+    """The recipe's held-out set: (its dataset, the indices evaluated, the training indices it takes out of training).
+    Another cache is checked like the training cache (files, family, keys) at startup."""
+    cfg = recipe.validation_loss
+    if cfg is None:
+        return None, [], frozenset()
+    if cfg.cache_dir is not None:
+        other = CachedLatentDataset(cfg.cache_dir, family=reads)
+        return other, list(range(len(other))), frozenset()
+    indices = split(len(dataset), cfg.fraction, recipe.train.seed)
+    return dataset, indices, frozenset(indices)
+
+
+def sample_generator(seed: int, index: int) -> torch.Generator:
+    """Sample `index`'s noise and sigmas: a function of the seed and the index only (never of the step)."""
+    return torch.Generator().manual_seed(hash((seed, index, 0x5EED)) & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+class HeldOutLoss:
+    """`at_step(step)` after every step (every rank): the held-out loss when due, else None."""
+
+    def __init__(self, cfg, max_steps: int, seed: int, dataset, indices: list[int], spec, mesh, device: torch.device,
+                 amp: torch.dtype | None, objective: Objective, start: int = 0) -> None:  # fmt: skip
+        self.cfg, self.max_steps, self.seed, self.start = cfg, max_steps, seed, start
+        self.dataset, self.spec, self.device, self.amp, self.objective = dataset, spec, device, amp, objective
+        indices = indices[: cfg.max_samples] if cfg.max_samples else indices
+        dp, rank = mesh.dims.dp, mesh.dp_rank
+        per_group = math.ceil(len(indices) / dp)
+        mine = indices[rank::dp]
+        # (index, weight): the pad repeats a sample with weight 0, so every group runs per_group forwards
+        self.mine = [(i, 1.0) for i in mine] + [(indices[0], 0.0)] * (per_group - len(mine))
+        self.cp = mesh.dims.cp
+        self.count = len(indices)
+
+    def due(self, step: int) -> bool:
+        if step == 0:
+            return self.cfg.at_start and self.start == 0
+        if step == self.start:  # evaluated before the checkpoint a resumed run starts from
+            return False
+        return step % self.cfg.every_n_steps == 0 or step == self.max_steps
+
+    def at_step(self, model: torch.nn.Module, step: int) -> float | None:
+        """The held-out loss of the model's weights now (a collective), when `step` is due; else None."""
+        if not self.due(step):
+            return None
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        with inference(model):  # eval mode (no adapter dropout), no autograd graph
+            self._evaluate(model, total)
+        # Over every rank: each CP peer of a group holds the same values, so the sum counts each sample cp times.
+        dist.all_reduce(total)
+        return float(total) / (self.count * self.cp)
+
+    def _evaluate(self, model: torch.nn.Module, total: torch.Tensor) -> None:
+        for index, weight in self.mine:
+            batch = {k: v.to(self.device) for k, v in collate([self.dataset[index]]).items()}
+            loss = micro_batch_loss(model, self.spec, batch, self.objective, sample_generator(self.seed, index),
+                                    self.amp)  # fmt: skip
+            total += weight * loss.double()
