@@ -619,11 +619,7 @@ def estimate(recipe: Recipe, world_size: int, device_type: str = "cuda", shape: 
         c["fp8 weight upcast (one layer)"] = max(codes) * elem
     if cp > 1:  # Ulysses: q, k, v, out sent and received per attention call, one call at a time
         c["CP all-to-all buffers"] = 2 * 4 * b * n * inner * elem
-    # AdamW's foreach path (CUDA) keeps one fp32 temporary per parameter of the whole list; the CPU path goes per tensor
-    # (torchao's optimizers, train/optim.py, compile one step per tensor: its temporaries are one tensor's at most)
-    torch_foreach = cuda and not offload and t.optimizer == "adamw" and t.master_weights == "fp32"
-    largest = max((_padded_shard_numel(s, fsdp) * 4 for s, _, _ in shape.select(True)), default=0)
-    opt_temp = sharded(True, 4) if torch_foreach else largest
+    opt_temp = _optimizer_temporaries(t, shape, fsdp, foreach=cuda and not offload)
     peak, first, state = _peak_totals(c, host, sharded(True, block=-1), opt_temp, offload)
     val = validation_peak(recipe, shape, fit, c, state, cp, text, elem)
     if val is not None:
@@ -637,6 +633,16 @@ def estimate(recipe: Recipe, world_size: int, device_type: str = "cuda", shape: 
     a2a = 4 * b * n * inner * elem * (cp - 1) / cp * shape.n_blocks * passes * t.grad_accum
     layout = _layout(recipe, world_size, offload)
     return Estimate(c, peak, first, host, a2a, tokens, text, layout)
+
+
+def _optimizer_temporaries(t, shape: ModelShape, fsdp: int, foreach: bool) -> float:
+    """AdamW's foreach path (CUDA) keeps one fp32 temporary per parameter of the whole list; the CPU path goes per
+    tensor (torchao's optimizers, train/optim.py, compile one step per tensor: its temporaries are one tensor's at
+    most)."""
+    shards = [_padded_shard_numel(s, fsdp) * 4 for s, _, _ in shape.select(True)]
+    if foreach and t.optimizer == "adamw" and t.master_weights == "fp32":
+        return float(sum(shards))
+    return max(shards, default=0)
 
 
 def _block_activations(t, n_blocks: int, block: float, block_input: float, attention_out: float) -> tuple[float, int]:

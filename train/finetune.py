@@ -65,7 +65,7 @@ from train.ema import EMA
 from train.errors import EXIT_CODE, UserError, peer_reported, quiet_interrupt, report
 from train.estimate import startup_check
 from train.export import ExportFailed, export_full, export_lora
-from train.heldout import HeldOutLoss, held_out
+from train.heldout import HeldOutLoss
 from train.metrics import MetricsLogger, device_memory, peak_memory_bytes
 from train.modeling import build_model, check_model, describe_start, family_spec
 from train.models import cache_reads, transformer_config
@@ -523,6 +523,16 @@ def parse_args(argv: list[str] | None) -> tuple[Recipe, argparse.Namespace]:
     return recipe, args
 
 
+def progress(recipe: Recipe, start: int):
+    """The loop's steps, with a tqdm bar on rank 0 when the recipe asks for one."""
+    steps = range(start, recipe.train.max_steps)
+    if dist.get_rank() != 0 or not recipe.logging.progress_bar:
+        return steps
+    from tqdm.auto import tqdm
+
+    return tqdm(steps, initial=start, total=recipe.train.max_steps, desc="train")
+
+
 def main(argv: list[str] | None = None) -> None:
     recipe, args = parse_args(argv)
     t = recipe.train
@@ -542,8 +552,9 @@ def main(argv: list[str] | None = None) -> None:
     # --- data: every rank of a CP group reads the same batches; DP groups read different ones. First: a cache that
     # cannot be trained on (missing or truncated files, another family's) is said within seconds, before the model
     dataset = build_dataset(recipe, spec, cache_reads(spec.name))
-    held, held_indices, excluded = held_out(recipe, dataset, cache_reads(spec.name))  # validation_loss's samples
-    batches = make_batches(dataset, recipe, dp_rank=mesh.dp_rank, dp_size=dims.dp, device=device, exclude=excluded,
+    heldout = HeldOutLoss.of(recipe, spec, dataset, cache_reads(spec.name), mesh, device, amp)  # its split: not trained
+    batches = make_batches(dataset, recipe, dp_rank=mesh.dp_rank, dp_size=dims.dp, device=device,
+                           exclude=heldout.excluded if heldout else frozenset(),
                            tokens_of=token_budget(recipe, spec, dataset))  # fmt: skip
     check_text_lengths(dataset, spec, recipe, batches.sampler.batch_sizes)  # per bucket (train.batch_tokens)
 
@@ -568,22 +579,14 @@ def main(argv: list[str] | None = None) -> None:
     batches.check_contract(mesh)  # a cheap cross-rank hash of the next batch: CP peers equal, DP groups differ
 
     # --- loop -----------------------------------------------------------------------------------------------------
-    objective = Objective.of(recipe, spec)
-    trainer = Trainer(t, spec, model, params, optimizer, scheduler, parallel, batches, mesh, device, amp, objective,
-                      ema)  # fmt: skip
+    trainer = Trainer(t, spec, model, params, optimizer, scheduler, parallel, batches, mesh, device, amp,
+                      Objective.of(recipe, spec), ema)  # fmt: skip
     # samples from the training transformer as it is (CP + FSDP in place, every rank), state untouched: validation.py
-    weights = ema.swapped if recipe.ema is not None and recipe.ema.validation else nullcontext
-    validation = Validation(recipe, spec, model, device, amp, metrics, watchdog, start=start, weights=weights)
+    validation = Validation(recipe, spec, model, device, amp, metrics, watchdog, start=start, ema=ema)
     validation.at_step(start)  # validation.at_start: a baseline before the first step
-    heldout = None if held is None else HeldOutLoss(recipe.validation_loss, t.max_steps, t.seed, held, held_indices,
-                                                    spec, mesh, device, amp, objective, start=start)  # fmt: skip
-    if heldout and (value := heldout.at_step(model, start)) is not None:  # at_start: the starting weights' value
+    if heldout and start == 0 and (value := heldout.at_step(model, 0)) is not None:  # validation_loss.at_start
         metrics.log({"step": 0, "val_loss": value})
-    steps = range(start, t.max_steps)
-    if dist.get_rank() == 0 and recipe.logging.progress_bar:
-        from tqdm.auto import tqdm
-
-        steps = tqdm(steps, initial=start, total=t.max_steps, desc="train")
+    steps = progress(recipe, start)
     stop = StopRequest(device)  # from here on SIGINT/SIGTERM finish the step, write a checkpoint and exit 0
     save = functools.partial(save_state, recipe, spec, run, app, scheduler, batches, mesh)  # save(step): checkpoint
     for step in steps:

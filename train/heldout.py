@@ -35,30 +35,17 @@ def split(n: int, fraction: float, seed: int) -> list[int]:
     return sorted(order[:k])
 
 
-def held_out(recipe, dataset, reads: CacheReads | str) -> tuple[object, list[int], frozenset[int]]:
-    """The recipe's held-out set: (its dataset, the indices evaluated, the training indices it takes out of training).
-    Another cache is checked like the training cache (files, family, keys) at startup."""
-    cfg = recipe.validation_loss
-    if cfg is None:
-        return None, [], frozenset()
-    if cfg.cache_dir is not None:
-        other = CachedLatentDataset(cfg.cache_dir, family=reads)
-        return other, list(range(len(other))), frozenset()
-    indices = split(len(dataset), cfg.fraction, recipe.train.seed)
-    return dataset, indices, frozenset(indices)
-
-
 def sample_generator(seed: int, index: int) -> torch.Generator:
     """Sample `index`'s noise and sigmas: a function of the seed and the index only (never of the step)."""
     return torch.Generator().manual_seed(hash((seed, index, 0x5EED)) & 0x7FFF_FFFF_FFFF_FFFF)
 
 
 class HeldOutLoss:
-    """`at_step(step)` after every step (every rank): the held-out loss when due, else None."""
+    """`at_step(model, step)` after every step (every rank): the held-out loss when due, else None."""
 
-    def __init__(self, cfg, max_steps: int, seed: int, dataset, indices: list[int], spec, mesh, device: torch.device,
-                 amp: torch.dtype | None, objective: Objective, start: int = 0) -> None:  # fmt: skip
-        self.cfg, self.max_steps, self.seed, self.start = cfg, max_steps, seed, start
+    def __init__(self, cfg, max_steps: int, seed: int, dataset, indices: list[int], excluded: frozenset[int], spec,
+                 mesh, device: torch.device, amp: torch.dtype | None, objective: Objective) -> None:  # fmt: skip
+        self.cfg, self.max_steps, self.seed, self.excluded = cfg, max_steps, seed, excluded
         self.dataset, self.spec, self.device, self.amp, self.objective = dataset, spec, device, amp, objective
         indices = indices[: cfg.max_samples] if cfg.max_samples else indices
         dp, rank = mesh.dims.dp, mesh.dp_rank
@@ -69,11 +56,28 @@ class HeldOutLoss:
         self.cp = mesh.dims.cp
         self.count = len(indices)
 
+    @classmethod
+    def of(cls, recipe, spec, dataset, reads: CacheReads | str, mesh, device: torch.device,
+           amp: torch.dtype | None) -> HeldOutLoss | None:  # fmt: skip
+        """The recipe's held-out loss, or None. Its set: another cache (checked like the training cache: files,
+        family, keys), or `split` of the training dataset, whose indices (`excluded`) the training sampler skips."""
+        cfg, t = recipe.validation_loss, recipe.train
+        if cfg is None:
+            return None
+        if cfg.cache_dir is not None:
+            held = CachedLatentDataset(cfg.cache_dir, family=reads)
+            indices, excluded = list(range(len(held))), frozenset()
+        else:
+            held, indices = dataset, split(len(dataset), cfg.fraction, t.seed)
+            excluded = frozenset(indices)
+        objective = Objective.of(recipe, spec)
+        return cls(cfg, t.max_steps, t.seed, held, indices, excluded, spec, mesh, device, amp, objective)
+
     def due(self, step: int) -> bool:
+        """Multiples of every_n_steps and the last step; step 0 with at_start (the trainer asks for it on a fresh run
+        only: a resumed run's value at its checkpoint step was logged before it)."""
         if step == 0:
-            return self.cfg.at_start and self.start == 0
-        if step == self.start:  # evaluated before the checkpoint a resumed run starts from
-            return False
+            return self.cfg.at_start
         return step % self.cfg.every_n_steps == 0 or step == self.max_steps
 
     def at_step(self, model: torch.nn.Module, step: int) -> float | None:

@@ -150,11 +150,12 @@ class Validation:
 
     def __init__(self, recipe: Recipe, spec: FamilySpec, model: torch.nn.Module, device: torch.device,
                  amp: torch.dtype | None, metrics, watchdog=None, start: int = 0,
-                 weights=nullcontext) -> None:  # fmt: skip
+                 ema=None) -> None:  # fmt: skip
         self.cfg: ValidationConfig | None = recipe.validation
         self.recipe, self.spec, self.model, self.device, self.amp = recipe, spec, model, device, amp
         self.metrics, self.watchdog, self.start = metrics, watchdog, start
-        self.weights = weights  # the weights samples are rendered with: the model's own, or (ema.validation) the EMA's
+        # the weights samples are rendered with: the model's own, or (ema.validation) the EMA's (train/ema.py)
+        self.weights = ema.swapped if ema is not None and recipe.ema.validation else nullcontext
         self.pipe = None
         if self.cfg is not None:
             check_validation(recipe, spec)
