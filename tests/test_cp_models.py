@@ -7,8 +7,9 @@ different length and the real text mask, the whole text. The CP run is the same 
 parameter gradient (relative, max |cp - serial| / max |serial|).
 
 Layouts (ring x Ulysses), one shared process group per world size (tests/harness.py `rank_job`):
-Ulysses 2, 3, 4; ring 2 x 1; ring 2 x Ulysses 2; ring 4 x 1. Per layout fp32; fp32 with activation checkpointing on
-Ulysses 2, ring 2 x 1 and ring 2 x Ulysses 2; fp64 for the Ulysses layouts and ring 4 x 1 (exact up to rounding).
+Ulysses 2, 3, 4; ring 2 x 1; ring 2 x Ulysses 2; ring 4 x 1. Per layout fp32; fp32 with the trainer's activation
+checkpointing (per block) on Ulysses 2, ring 2 x 1 and ring 2 x Ulysses 2; fp64 for the Ulysses layouts and ring 4 x 1
+(exact up to rounding).
 Tiny models have 7 heads and token counts that 2, 3 and 4 do not divide. On the Ulysses fp32 run also: no size
 exchange in any layer (layout registry), the same result with the registry in verify mode, MEAN over CP is wrong
 (1/cp, at CP 2), and the collectives counted underneath torch.distributed (every c10d op, by a dispatch mode) are 4
@@ -108,8 +109,11 @@ def _cp(family: str, dtype: torch.dtype, mesh, inputs, checkpointing: bool, extr
 
     model = build_model(family, seed=0, dtype=dtype)
     state = enable_context_parallel(model, mesh=mesh)
-    if checkpointing:
-        model.enable_gradient_checkpointing()  # the layout registry's replaying checkpoint (enable.py)
+    if checkpointing:  # the trainer's per-block checkpoint, replaying the layout registry in the recompute (diffusers'
+        # own `enable_gradient_checkpointing` path drops Chroma's attention_mask in its single-stream blocks)
+        from train.parallel import apply_activation_levers, repeated_blocks
+
+        apply_activation_levers(repeated_blocks(model), 1, offload=False, compile=False, layout=state.layout)
     reduction = GradReduction("allreduce", cp_group=state.cp_group)
     before = state.layout.exchanges
     state.stats.reset()

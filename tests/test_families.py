@@ -207,6 +207,19 @@ def _drive_flux(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
     return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)})
 
 
+def _drive_chroma(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    """ChromaPipeline given the captions themselves: it encodes them and builds its attention mask (padded text of two
+    lengths) itself; the cache holds the family encoder's embeddings and tokenizer mask of the same captions."""
+    batch = _cached_text("chroma", path, BATCH)
+    assert not batch["prompt_mask"].all()  # a padded mask reaches the transformer
+    pipe = diffusers.ChromaPipeline.from_pretrained(path)
+    step, (b, c, h, w), s = _one_step(pipe, monkeypatch), _recipe_latents("chroma"), pipe.vae_scale_factor
+    pipe(prompt=list(CAPTIONS[:b]), height=h * s, width=w * s, num_inference_steps=1, guidance_scale=1.0,
+         generator=_gen(SEED), output_type="latent")  # fmt: skip
+    noisy = randn_tensor((b, c, h, w), generator=_gen(SEED))  # prepare_latents' draw, before _pack_latents
+    return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)})
+
+
 def _drive_flux_kontext(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
     """The Kontext pipeline given reference latents as its image (it packs them and offsets their ids itself)."""
     pipe = diffusers.FluxKontextPipeline.from_pretrained(path)
@@ -351,6 +364,33 @@ def _drive_wan22(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
     final = pipe(prompt_embeds=batch["prompt_embeds"], latents=noisy, height=h * s, width=w * s,
                  num_frames=(f - 1) * t + 1, guidance_scale=1.0, num_inference_steps=1,
                  output_type="latent").frames  # fmt: skip
+    assert float(_sigma(pipe.scheduler, 1)) < pipe.config.boundary_ratio
+    return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)}, {"latents": final})
+
+
+def _drive_wan22_i2v(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    """WanImageToVideoPipeline with two experts and no image encoder: the step's sigma is below boundary_ratio, so
+    the low-noise expert runs it, on [latents | mask | condition_latents] (the family encoder's of the input image,
+    frame 0 of the cached clip) and no image embeddings."""
+    from PIL import Image
+
+    b, c, f, h, w = BATCH, tiny_config("wan22_i2v")["out_channels"], 2, 2, 4
+    pipe = diffusers.WanImageToVideoPipeline.from_pretrained(path)
+    s, t = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
+    image = torch.randint(0, 256, (3, h * s, w * s), generator=_gen(3), dtype=torch.uint8)
+    clip = torch.rand(3, (f - 1) * t + 1, h * s, w * s, generator=_gen(4)) * 2 - 1
+    clip[:, 0] = image / 127.5 - 1  # the input image is frame 0
+    encoder = get_encoder("wan22_i2v")
+    encoder.load(str(path))
+    media = encoder.encode_media(clip, None, "mode", None)
+    assert "image_embeds" not in media
+    batch = _cached_text("wan22_i2v", path, BATCH, condition_latents=media["condition_latents"])
+    step = _Step(monkeypatch, pipe.transformer_2)  # transformer (high noise) must not run: one call of this one
+    step.force_sigmas(pipe.scheduler, [SIGMA])
+    noisy = torch.randn(b, c, f, h, w, generator=_gen(SEED))
+    final = pipe(image=Image.fromarray(image.permute(1, 2, 0).numpy()), prompt_embeds=batch["prompt_embeds"],
+                 latents=noisy, height=h * s, width=w * s, num_frames=(f - 1) * t + 1, guidance_scale=1.0,
+                 num_inference_steps=1, output_type="latent").frames  # fmt: skip
     assert float(_sigma(pipe.scheduler, 1)) < pipe.config.boundary_ratio
     return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)}, {"latents": final})
 

@@ -75,6 +75,13 @@ PUBLISHED_PARAMS = {
     "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v": 8_326_608_160,
     # the hub's num_parameters of MiniMaxAI/MiniMax-H3
     "MiniMaxAI/MiniMax-H3": 33_122_992_896,
+    # Chroma1-HD: its model card's "8.9 billion parameters"; no exact published total found, this is the count of the
+    # shipped config, which the 8.9B rounds
+    "lodestones/Chroma1-HD": 8_899_983_424,
+    # each expert of Wan2.2-I2V-A14B: no exact published total found; Wan2.1-T2V-14B's published count (above) + the
+    # 20 more input channels of the patch embedding (36 vs 16, x 5120 x 1 x 2 x 2 = 409,600); no image branch
+    "Wan-AI/Wan2.2-I2V-A14B-Diffusers": 14_288_901_184,
+    "Wan-AI/Wan2.2-I2V-A14B-Diffusers/transformer_2": 14_288_901_184,
 }
 
 # The per-sample cache layout (C, ...) each family's encoder writes for a clip of F frames × H × W pixels (documented in

@@ -5,9 +5,9 @@ The whole sweep (`python -m train.tools.sweep`, ~40 s) does not run here. Every 
 validated against the sweep's tiny instance by tests/test_cp_plans.py (every file in cp_plans/). Here: the table in
 docs/plans.md names exactly the discovered classes and agrees with the plan files; a refusal file makes
 `enable_context_parallel` refuse with its reason; and two classes are rebuilt, drafted and checked at CP 2 and 3 in
-the shared gloo groups: Chroma (no pipeline family; reaches the attention through Flux's processor) must train exactly
-with a draft equal to its shipped file, and Cosmos (its learnable positional embedding is added in forward()) must
-still fail the check, as its refusal file says.
+the shared gloo groups: Flux3 (no pipeline family; text-only blocks run before the joint blocks, which the drafter
+must not take for the sequence) must train exactly with a draft equal to its plan file, and Cosmos (its learnable
+positional embedding is added in forward()) must still fail the check, as its refusal file says.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from train.cp.plans import PLAN_DIR, load_plan_file, plan_for, resolve_plan
 from train.tools import sweep
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "plans.md"
-SAMPLE = {"ChromaTransformer2DModel": "exact", "CosmosTransformer3DModel": "unsupported"}
+SAMPLE = {"Flux3Transformer2DModel": "exact", "CosmosTransformer3DModel": "unsupported"}
 
 
 def _table() -> dict[str, dict[str, str]]:

@@ -10,6 +10,7 @@ import importlib
 import inspect
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -304,8 +305,10 @@ _SENTINEL = object()
 def _record_dispatch(name: str, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     model = tm.build_model(name)
     calls: list[dict[str, Any]] = []
-    module = importlib.import_module(type(model).__module__)
-    original = module.dispatch_attention_fn
+    # the modules whose processors call it: the model's own, and any it takes processors from (Chroma: Flux's)
+    processors = [m.processor for m in model.modules() if isinstance(m, (Attention, AttentionModuleMixin))]
+    names = dict.fromkeys([type(model).__module__, *(type(p).__module__ for p in processors)])
+    modules = [m for m in map(importlib.import_module, names) if hasattr(m, "dispatch_attention_fn")]
 
     # Attention of the plan's local_attention modules (text refiners on replicated text; HunyuanVideo's calls SDPA
     # itself) stays out of CP: neither its dispatch nor its SDPA calls are recorded.
@@ -316,13 +319,17 @@ def _record_dispatch(name: str, monkeypatch: pytest.MonkeyPatch) -> list[dict[st
             m.register_forward_pre_hook(lambda *_: inside.__setitem__(0, inside[0] + 1))
             m.register_forward_hook(lambda *_: inside.__setitem__(0, inside[0] - 1))
 
-    def wrapper(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if not inside[0]:
-            calls.append({"q": query.shape[1], "k": key.shape[1], "cp": kwargs.get("parallel_config") is _SENTINEL})
-        kwargs["parallel_config"] = None
-        return original(query, key, value, *args, **kwargs)
+    def wrap(original: Callable) -> Callable:
+        def wrapper(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if not inside[0]:
+                calls.append({"q": query.shape[1], "k": key.shape[1], "cp": kwargs.get("parallel_config") is _SENTINEL})
+            kwargs["parallel_config"] = None
+            return original(query, key, value, *args, **kwargs)
 
-    monkeypatch.setattr(module, "dispatch_attention_fn", wrapper)
+        return wrapper
+
+    for module in modules:
+        monkeypatch.setattr(module, "dispatch_attention_fn", wrap(module.dispatch_attention_fn))
     # Count every SDPA call, to show that none bypasses dispatch_attention_fn (the native backend calls SDPA once).
     sdpa = torch.nn.functional.scaled_dot_product_attention
     n_sdpa = [0]

@@ -148,6 +148,8 @@ def test_last_sample_equals_diffusers_pipeline_with_exported_lora(wan: dict[str,
 
 IN_PROCESS = {  # family: (validation settings, the file written, the reference pipeline needs the ftfy skip)
     "flux": ("height: 32, width: 48, guidance_scale: 2.0, save_tensors: true", "0.png", False),  # an image family
+    # its joint text | image mask, and CFG with the empty negative prompt
+    "chroma": ("height: 32, width: 48, guidance_scale: 2.0, save_tensors: true", "0.png", False),
     "wan_i2v": ("height: 32, width: 32, num_frames: 5, save_tensors: true", "0.mp4", True),  # conditioned on an image
 }
 PROMPT = "a green triangle"
@@ -218,9 +220,9 @@ def _levels(png: Path) -> np.ndarray:
 
 @pytest.mark.parametrize("family", sorted(IN_PROCESS))
 def test_in_process_sample_is_the_pipelines_own_output(in_process, family: str) -> None:
-    """In-process on a 1-rank gloo group: FLUX.1 writes a png, Wan 2.1 I2V an mp4 from a conditioning image; each
-    equal to a fresh pipeline's own output of the same call (png: 8-bit levels within 1; the float output within
-    RELOAD_TOL)."""
+    """In-process on a 1-rank gloo group: FLUX.1 and Chroma write a png, Wan 2.1 I2V an mp4 from a conditioning
+    image; each equal to a fresh pipeline's own output of the same call (png: 8-bit levels within 1; the float output
+    within RELOAD_TOL)."""
     path, ref = in_process(family)
     if path.suffix == ".png":
         png = _levels(path)

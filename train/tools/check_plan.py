@@ -26,6 +26,7 @@ config) is one line, exit 2. Relative errors: max|cp - serial| / max|serial|, to
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -40,6 +41,10 @@ from train.errors import UserError
 __all__ = ["Case", "check", "format_report", "main"]
 
 TOL = 1e-4
+# Seconds a CP collective of one case may wait for a peer. Each case attends over its own process group with this
+# timeout: a plan that makes one rank fail before a collective its peers already entered (ranks out of step: they
+# disagree on shapes, so one raises and the others wait) fails the case in this time instead of hanging the check.
+CASE_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,13 @@ def param_group(name: str) -> str:
     atoms = re.sub(r"\.\d+(?=\.|$)", ".*", name).split(".")[:-1] or [name]
     keep = 3 if len(atoms) > 1 and atoms[1] == "*" else 1
     return ".".join(atoms[:keep])
+
+
+def _output_tensors(outputs: Sequence[Any]) -> list[torch.Tensor]:
+    """The tensors of a forward's outputs, a list output's elements included (Z-Image returns one tensor per
+    sample)."""
+    flat = [t for o in outputs for t in (o if isinstance(o, (list, tuple)) else [o])]
+    return [t for t in flat if torch.is_tensor(t)]
 
 
 def _step_loss(step, raw: Any, outputs: list[torch.Tensor], model: torch.nn.Module) -> torch.Tensor:
@@ -284,9 +296,36 @@ def _check_entries(spec, model, cp: _Recorder, serial: _Recorder, rank: int, wor
     return rows
 
 
-def check_rank(rank: int, world: int, cases: list[Case], tol: float = TOL) -> list[dict]:
+def _case_mesh(rank: int, world: int, timeout_s: float):
+    """A (ring 1, ulysses ``world``) CP mesh over fresh gloo groups with a short timeout, one per case: a case whose
+    ranks fall out of step leaves its collectives pending in its own groups, never in the next case's or in the
+    group that reports."""
+    from datetime import timedelta
+
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
+
+    timeout = timedelta(seconds=timeout_s)
+    rings = [dist.new_group([r], backend="gloo", timeout=timeout) for r in range(world)]  # every rank makes each
+    ulysses = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
+    return DeviceMesh.from_group([rings[rank], ulysses], "cpu", torch.arange(world).reshape(1, world),
+                                 mesh_dim_names=("ring", "ulysses"))  # fmt: skip
+
+
+def check_rank(
+    rank: int,
+    world: int,
+    cases: list[Case],
+    tol: float = TOL,
+    case_timeout_s: float = CASE_TIMEOUT_S,
+    progress: str | None = None,
+) -> list[dict]:
+    """Every case on this rank (see the module docstring); a failure is caught and reported, never raised, so every
+    rank reaches every case's closing barrier. ``case_timeout_s``: how long a case's collective waits for a peer;
+    ``progress``: a folder where the results so far are written after every case (`_check_degree`)."""
+    import time
+
+    import torch.distributed as dist
 
     from train.cp import enable_context_parallel
     from train.cp.plans import load_plan_file, resolve_plan
@@ -295,11 +334,10 @@ def check_rank(rank: int, world: int, cases: list[Case], tol: float = TOL) -> li
 
     global TOL
     TOL = tol
-    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses"))
-    group = mesh["ulysses"].get_group()
-    reduction = GradReduction("allreduce", cp_group=group)
     results = []
     for case in cases:
+        mesh = _case_mesh(rank, world, case_timeout_s)
+        reduction = GradReduction("allreduce", cp_group=mesh["ulysses"].get_group())
         source = case.source if case.source is not None else resolve_source(case.model, case.inputs, case.family)
         spec = load_plan_file(case.plan)
         serial_model = source.build(0)
@@ -308,19 +346,19 @@ def check_rank(rank: int, world: int, cases: list[Case], tol: float = TOL) -> li
         step = source.step_inputs(1)  # a family's training step (train/step.py), else --inputs with an MSE loss
         kwargs = step.kwargs if step is not None else source.inputs(1)
         raw = serial_model(**kwargs, return_dict=False)
-        ref_out = [o for o in as_outputs(raw) if torch.is_tensor(o)]
+        ref_out = _output_tensors(as_outputs(raw))
         ref_loss = _step_loss(step, raw, ref_out, serial_model)
         ref_loss.backward()
         ref_grads = {n: p.grad for n, p in serial_model.named_parameters() if p.grad is not None}
 
         model = source.build(0)
         cp = _Recorder(model, paths)
-        res: dict[str, Any] = {"case": case, "rows": [], "error": None}
+        res: dict[str, Any] = {"case": case, "rows": [], "error": None, "case_timeout_s": case_timeout_s}
         try:
             state = enable_context_parallel(model, mesh=mesh, plan=spec)
             state.layout.verify = True  # every layer checks, from exchanged sizes, that the registry decided right
             raw = model(**kwargs, return_dict=False)
-            out = [o for o in as_outputs(raw) if torch.is_tensor(o)]
+            out = _output_tensors(as_outputs(raw))
             res["out"] = max(_rel(o, r) for o, r in zip(out, ref_out))
             res["out_shapes"] = [(_shape(o), _shape(r)) for o, r in zip(out, ref_out)]
             loss = _step_loss(step, raw, out, model)
@@ -336,6 +374,7 @@ def check_rank(rank: int, world: int, cases: list[Case], tol: float = TOL) -> li
             res["rows"] = _check_entries(spec, model, cp, serial, rank, world)
         except Exception as exc:  # noqa: BLE001 - reported as the verdict
             where = cp.stack[-1] if cp.stack else ""
+            res["failed_at"] = time.time()  # the ranks share a clock: merge_ranks reports the first to fail
             res["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             res["where"] = where
             if not cp.finished:  # refused before any module ran: the startup guard
@@ -344,22 +383,60 @@ def check_rank(rank: int, world: int, cases: list[Case], tol: float = TOL) -> li
                 res["diagnosis"] = _diagnose(cp, serial, where)
                 res["rows"] = _check_entries(spec, model, cp, serial, rank, world)
         results.append(res)
-        # Every rank reaches here for every case (failures are caught), so the group stays in step.
-        dist.barrier(group)
+        if progress is not None:  # write, then rename: a rank killed mid-write leaves the previous file whole
+            torch.save(results, Path(progress) / f"rank{rank}.tmp")
+            os.replace(Path(progress) / f"rank{rank}.tmp", Path(progress) / f"rank{rank}.pt")
+        # Every rank reaches here for every case (failures are caught; a rank left waiting in this case's groups
+        # times out there), so the default group stays in step. A case's groups are freed when it ran clean here;
+        # after a failure a peer may have left a collective pending in them, so they are left alone.
+        dist.barrier()
+        if not res["error"]:
+            for g in {mesh["ring"].get_group(), mesh["ulysses"].get_group()}:
+                dist.destroy_process_group(g)
     return results
 
 
 def check(cases: list[Case], degrees: Sequence[int] = (2, 3), tol: float = TOL) -> dict[int, list[dict]]:
     """Run every case at every degree (one spawned gloo group per degree, all cases in it); per degree, one merged
     result per case (`merge_ranks`)."""
-    from train.tools.spawn import run_distributed
+    return {world: _check_degree(cases, world, tol) for world in degrees}
 
-    return {world: merge_ranks(run_distributed(check_rank, world, cases, tol)) for world in degrees}
+
+def _check_degree(cases: list[Case], world: int, tol: float) -> list[dict]:
+    """All cases in one spawned group. A plan whose ranks disagree on a collective's sizes can make gloo abort a rank
+    (a size mismatch inside the collective, not a timeout), which ends the group: the cases every rank finished are
+    kept (each rank records its results after every case), the one in flight fails with that verdict, and the rest
+    run in a new group."""
+    import tempfile
+
+    from train.tools.spawn import RankError, run_distributed
+
+    with tempfile.TemporaryDirectory() as progress:
+        try:
+            return merge_ranks(run_distributed(check_rank, world, cases, tol, CASE_TIMEOUT_S, progress))
+        except RankError as exc:
+            done = [_progress(Path(progress), r) for r in range(world)]
+            error = f"a rank died: {str(exc).splitlines()[0]}"
+    finished = min(len(d) for d in done)
+    merged = merge_ranks([d[:finished] for d in done]) if finished else []
+    why = "ranks out of step: a collective's sizes disagreed across ranks and gloo aborted a rank"
+    if "signal" not in error:
+        why = "the rank raised outside the checked CP forward (building the model, its inputs or the serial run)"
+    died = {"case": cases[finished], "rows": [], "error": error, "where": "", "diagnosis": why}
+    rest = _check_degree(cases[finished + 1 :], world, tol) if finished + 1 < len(cases) else []
+    return [*merged, died, *rest]
+
+
+def _progress(folder: Path, rank: int) -> list[dict]:
+    path = folder / f"rank{rank}.pt"
+    return torch.load(path, weights_only=False) if path.exists() else []
 
 
 def merge_ranks(ranks: list[list[dict]]) -> list[dict]:
     """`check_rank`'s per-rank results, one per case: rows with the worst error over ranks, rank 0's output, loss
-    and gradient errors, the first rank's failure."""
+    and gradient errors, and the failure of the rank that failed first. When another did not fail, or failed half a
+    case timeout later (it waited in a collective the first never reached: ranks out of step), the diagnosis says
+    so."""
     per_case = []
     for i in range(len(ranks[0])):
         res = dict(ranks[0][i])
@@ -369,8 +446,15 @@ def merge_ranks(ranks: list[list[dict]]) -> list[dict]:
                 row["ok"] = row["ok"] and o["ok"]
                 if o["err"] is not None and (row["err"] is None or o["err"] > row["err"]):
                     row["err"] = o["err"]
-            if other[i]["error"] and not res["error"]:
-                res.update(error=other[i]["error"], where=other[i]["where"], diagnosis=other[i]["diagnosis"])
+        failed = sorted((r[i]["failed_at"], rank) for rank, r in enumerate(ranks) if r[i]["error"])
+        if failed:
+            first = ranks[failed[0][1]][i]
+            res.update(error=first["error"], where=first["where"], diagnosis=first["diagnosis"])
+            others = [r for r in range(len(ranks)) if r != failed[0][1]]
+            late = failed[0][0] + first["case_timeout_s"] / 2  # a rank failing this much later timed out waiting
+            if len(failed) < len(ranks) or any(t >= late for t, _ in failed[1:]):
+                res["diagnosis"] += (f"; ranks out of step: rank {failed[0][1]} failed here first, rank(s) "
+                                     f"{', '.join(map(str, others))} went on (their collective timed out)")  # fmt: skip
         res["rows"] = rows
         per_case.append(res)
     return per_case

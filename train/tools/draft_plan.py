@@ -7,29 +7,38 @@ Usage::
     python -m train.tools.draft_plan path/to/model_or_pipeline_folder
     python -m train.tools.draft_plan MyTransformer3DModel --inputs my_inputs:make_kwargs   # a class with no family
 
-How the tiny instance and its inputs are made: train/tools/probe.py. What the draft decides, from what the hooks saw:
+How the tiny instance and its inputs are made: train/tools/probe.py. What the draft decides, from what the hooks saw,
+is one rule function each, applied in the order of :data:`RULES` (each docstring states its rule):
 
-1. The sequence: the first repeated block (the first ModuleList element called) receives ``hidden_states`` of S
-   tokens (dim 1). Text is a split stream too when the blocks return it (joint attention: a block output with the
-   text length); cross-attention text stays whole on every rank (Wan's choice).
-2. Where the sequence is formed: when forward()'s own ``hidden_states`` already holds the S tokens (a packed model:
-   Flux, LTX), every forward() input with a token dim is split on entry (``""``); otherwise (patchify in forward:
-   Wan) the first block's ``hidden_states`` is split, and forward() inputs with a token dim (per-token timesteps)
-   are split on entry.
-3. Tables and per-token tensors: every tensor the first block receives with a token dim that a module before the
-   blocks produced (RoPE cos/sin) is split at that module's output, unless, for a packed model, re-running the
-   module on split inputs already gives the split length (Flux builds RoPE from split ids). Per-token tensors
-   forward() hands every block unsplit (a mask, a modulation index) are split at ``<blocks>.*``.
-4. The output: the last module after the blocks whose output holds the token dim (``proj_out``) is gathered.
+0. The blocks (`_find_blocks`): ModuleList elements with attention whose token argument (`_token_arg`: found by the
+   tensor a block returns the same shape for, not by name) is a (B, S, C) sequence; text-only blocks (Flux3's
+   ``txt_mode_blocks``) are passed over when other blocks carry another count.
+1. `rule_sequence`: the first block's token argument holds S tokens (dim 1). Text is a split stream too when the
+   blocks return it (joint attention); cross-attention text stays whole on every rank (Wan's choice).
+2. `rule_where_formed`, `rule_split_at_entry`: when forward()'s own ``hidden_states`` already holds the S tokens (a
+   packed model: Flux, LTX), every forward() input with a token dim is split on entry (``""``), unless a module
+   before the blocks takes a sequence length as a number (Qwen-Image's RoPE: ``max_txt_seq_len``); otherwise
+   (patchify in forward: Wan) the first block's token argument is split, and forward() inputs with the token count
+   (per-token timesteps) are split on entry.
+3. `rule_split_block_inputs`, `rule_split_tables`: every tensor the first block receives with a token dim that a
+   module before the blocks produced (RoPE cos/sin) is split at that module's output, unless, for a packed model,
+   re-running the module on split inputs already gives the split length (Flux builds RoPE from split ids).
+   Per-token tensors forward() hands every block unsplit (a mask, a modulation index) are split at ``<blocks>.*``.
+4. `rule_gather_output`: the last module after the blocks whose output holds the token dim (``proj_out``) is
+   gathered.
+5. `rule_local_attention`: cross-attention onto whole text that would all-to-all it, and attention on replicated
+   tokens before the blocks, run locally.
+6. `rule_layout_registry`: ``layout_registry: true`` when every attention call in the trace attends over a split
+   length or the sum of two (what the layout registry assumes); check_plan verifies it.
 
-The YAML's "Why each entry" block says what each hook saw. ``layout_registry: true`` when every attention call in the
-trace attends over a split length or the sum of two (what the layout registry assumes); check_plan verifies it.
-Nothing here is final: run ``python -m train.tools.check_plan`` on the draft.
+The YAML's "Why each entry" block says what each hook saw. Nothing here is final: run
+``python -m train.tools.check_plan`` on the draft.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,7 +50,7 @@ import torch
 from train.errors import UserError
 from train.tools.probe import Call, ModelSource, as_outputs, flatten_tensors, resolve_source, trace
 
-__all__ = ["Draft", "draft", "main", "settings_diff"]
+__all__ = ["RULES", "Draft", "draft", "main", "settings_diff"]
 
 
 @dataclass
@@ -143,8 +152,8 @@ def _is_inside(path: str, blocks: list[str]) -> bool:
 
 
 def draft(source: ModelSource, seed: int = 0) -> Draft:
-    """Trace one forward of the tiny model and propose a plan (see the module docstring), one phase at a time; each
-    phase adds its entries, why lines and notes in this order."""
+    """Trace one forward of the tiny model and apply the rules of :data:`RULES` in order (the module docstring says
+    each); a rule adds its entries, why lines and notes, and may leave facts on the trace for the rules after it."""
     model = source.build(seed)
     kwargs = source.inputs(seed)
     try:
@@ -154,17 +163,12 @@ def draft(source: ModelSource, seed: int = 0) -> Draft:
                         "--inputs module:function with inputs that fit this config") from exc  # fmt: skip
     out = Draft(source)
     seen = _Trace.of(calls, _find_blocks(source, model, calls))
-    _describe_sequence(out, seen)
-    root_split = _split_at_entry(out, seen)
-    split_outputs = _split_block_inputs(out, seen, root_split)
-    _split_producer_outputs(out, seen, split_outputs)
-    _gather_output(out, seen)
-    _local_attention(out, seen)
+    for rule in RULES:
+        rule(out, seen)
     # Entries print in the order their modules ran; a `<blocks>.*` entry right after block 0's own entry.
     for path in out.plan:
         concrete = path.replace("*", "0")
         out.order[path] = calls[concrete].start + (0.5 if "*" in path else 0) if concrete in calls else 0
-    _decide_layout_registry(out, seen)
     return out
 
 
@@ -175,44 +179,58 @@ def _is_attention(module: torch.nn.Module) -> bool:
     return isinstance(module, (Attention, AttentionModuleMixin))
 
 
+def _token_arg(call: Call) -> str | None:
+    """The argument that carries a block's token sequence, found by the tensor, not by its name: a (B, S, C) input
+    the block returns a tensor of the same shape for (the residual stream); ``hidden_states`` when several qualify
+    (a joint block returns its text too), else the first in argument order."""
+    shapes = {tuple(o.shape) for o in call.outputs if torch.is_tensor(o) and o.dim() == 3}
+    names = [n for n, v in call.inputs.items() if torch.is_tensor(v) and v.dim() == 3 and tuple(v.shape) in shapes]
+    return "hidden_states" if "hidden_states" in names else next(iter(names), None)
+
+
 def _find_blocks(source: ModelSource, model: torch.nn.Module, calls: dict[str, Call]) -> list[Call]:
-    """The repeated transformer blocks, in call order: ModuleList elements that take a (B, S, C) hidden_states and
-    hold an attention module. The model's own block lists win over nested ones, so the sequence is read where the
-    main stack takes it; with no block at all there is nothing to draft from."""
+    """The repeated transformer blocks, in call order: ModuleList elements that carry a (B, S, C) token sequence
+    (`_token_arg`) and hold an attention module. Blocks that run on the text alone (their tokens number forward()'s
+    encoder_hidden_states; Flux3's txt_mode_blocks, Kandinsky's text blocks) are not where the sequence is read when
+    other blocks carry another count. The model's own block lists win over nested ones, so the sequence is read
+    where the main stack takes it; with no block at all there is nothing to draft from."""
     lists = {p for p, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)}
     block_calls = sorted((c for c in calls.values() if c.path.rpartition(".")[0] in lists), key=lambda c: c.start)
-    block_calls = [  # repeated transformer blocks: take a (B, S, C) sequence and hold an attention module
-        c for c in block_calls
-        if torch.is_tensor(c.inputs.get("hidden_states")) and c.inputs["hidden_states"].dim() == 3
-        and any(_is_attention(m) for m in c.module.modules())
-    ]  # fmt: skip
+    block_calls = [c for c in block_calls if _token_arg(c) and any(_is_attention(m) for m in c.module.modules())]
+    text = calls[""].inputs.get("encoder_hidden_states")
+    if torch.is_tensor(text) and text.dim() == 3:
+        on_text = [c for c in block_calls if c.inputs[_token_arg(c)].shape[1] == text.shape[1]]
+        block_calls = [c for c in block_calls if c not in on_text] or block_calls
     top = [c for c in block_calls if "." not in c.path.rpartition(".")[0]]  # the model's own block lists first
     block_calls = top or block_calls
     if not block_calls:
         raise UserError(
-            f"{source.class_name}: no repeated block (a ModuleList element with attention, taking "
-            "(B, S, C) hidden_states) ran in the tiny forward; write the plan by hand (docs/plans.md)"
+            f"{source.class_name}: no repeated block (a ModuleList element with attention that returns a (B, S, C) "
+            "token input of the same shape) ran in the tiny forward; write the plan by hand (docs/plans.md)"
         )
     return block_calls
 
 
 @dataclass
 class _Trace:
-    """What the phases read from the traced forward: every call, the repeated blocks, and the sequence the first
-    block receives."""
+    """What the rules read from the traced forward: every call, the repeated blocks, and the sequence the first
+    block receives; and what earlier rules decided for later ones (``packed``, ``root_split``, ``tables``)."""
 
     calls: dict[str, Call]  # module path -> its call ("" is forward() itself)
     first: Call  # the first block called
     blocks: list[str]  # every block's path
     list_path: str  # the ModuleList holding the first block
     last_end: float  # when the last block returned
-    hidden: torch.Tensor  # the first block's hidden_states: (B, S, C)
+    token_arg: str  # the first block's argument that carries the tokens (`_token_arg`)
+    hidden: torch.Tensor  # that argument: (B, S, C)
     seq: int  # S
     text: Any  # the first block's encoder_hidden_states, if any
     text_len: int | None  # its token count when it is a (B, L, C) sequence
     joint: bool  # the blocks return the text (joint attention): it is split like the tokens
     counts: dict[int, str]  # a split length -> what it counts ("token", "text", "text + token")
-    packed: bool  # forward()'s own hidden_states already holds the S tokens
+    packed: bool = False  # split on entry: forward()'s own hidden_states holds the S tokens (`rule_where_formed`)
+    root_split: set[str] = field(default_factory=set)  # forward() inputs split on entry (`rule_split_at_entry`)
+    tables: dict[str, dict[int, tuple[int, torch.Tensor]]] = field(default_factory=dict)  # module -> outputs to split
 
     @property
     def root(self) -> Call:
@@ -221,7 +239,8 @@ class _Trace:
     @classmethod
     def of(cls, calls: dict[str, Call], block_calls: list[Call]) -> _Trace:
         first = block_calls[0]
-        hidden = first.inputs["hidden_states"]
+        token_arg = _token_arg(first)
+        hidden = first.inputs[token_arg]
         seq = hidden.shape[1]
         counts = {seq: "token"}
         text = first.inputs.get("encoder_hidden_states")
@@ -231,20 +250,18 @@ class _Trace:
         )
         if joint:
             counts |= {text_len: "text", seq + text_len: "text + token"}
-        root_hidden = calls[""].inputs.get("hidden_states")
-        packed = torch.is_tensor(root_hidden) and root_hidden.dim() == 3 and root_hidden.shape[1] == seq
         blocks = [c.path for c in block_calls]
         last_end = max(c.end for c in block_calls)
         list_path = first.path.rpartition(".")[0]
-        return cls(calls, first, blocks, list_path, last_end, hidden, seq, text, text_len, joint, counts, packed)
+        return cls(calls, first, blocks, list_path, last_end, token_arg, hidden, seq, text, text_len, joint, counts)
 
 
-def _describe_sequence(out: Draft, seen: _Trace) -> None:
-    """The "Sequence:" header: the S tokens the first block receives, and whether the text is a split stream (the
-    blocks return it: joint attention) or stays whole on every rank (cross-attention only). Equal token and text
-    counts would make a token dim ambiguous, so they get a note."""
+def rule_sequence(out: Draft, seen: _Trace) -> None:
+    """Rule 1, the sequence: the first repeated block's token argument holds S tokens on dim 1. The text is a split
+    stream when the blocks return it (joint attention), else it stays whole on every rank (cross-attention only).
+    Equal token and text counts would make a token dim ambiguous, so they get a note."""
     first, hidden, seq, text, text_len = seen.first, seen.hidden, seen.seq, seen.text, seen.text_len
-    out.sequence = f"{first.path} receives hidden_states {_shape(hidden)}: S = {seq} tokens on dim 1."
+    out.sequence = f"{first.path} receives {seen.token_arg} {_shape(hidden)}: S = {seq} tokens on dim 1."
     if text_len is not None:
         out.sequence += (
             f" Text encoder_hidden_states {_shape(text)}: the blocks return it (joint attention), so its "
@@ -256,23 +273,51 @@ def _describe_sequence(out: Draft, seen: _Trace) -> None:
         out.notes.append(f"token and text counts coincide ({seq}, {text_len}): re-run with other input shapes")
 
 
-def _split_at_entry(out: Draft, seen: _Trace) -> set[str]:
-    """Where the sequence is formed, and which forward() inputs are split on entry. Packed (forward()'s
-    hidden_states already holds the S tokens): every input with a token dim is split on entry. Patchified in
-    forward(): the first block's hidden_states (and joint text) is split where it is formed, and only inputs with
-    the token count (per-token timesteps) are split on entry, so all forward() derives from them is split too;
-    text is split where the blocks take it. Returns the names of the inputs split on entry."""
+def _whole_length(seen: _Trace) -> tuple[str, str, int] | None:
+    """A module before the blocks that takes a sequence length as a number (an int or a 0-d tensor equal to a split
+    count), as (path, argument, value): forward() read it from a whole input's shape."""
+    for call in sorted(seen.calls.values(), key=lambda c: c.start):
+        if not call.path or _is_inside(call.path, seen.blocks) or not 0 <= call.end < seen.first.start:
+            continue
+        for name, v in call.inputs.items():
+            number = v.item() if torch.is_tensor(v) and v.dim() == 0 else v
+            if isinstance(number, int) and not isinstance(number, bool) and number in seen.counts:
+                return call.path, name, number
+    return None
+
+
+def rule_where_formed(out: Draft, seen: _Trace) -> None:
+    """Rule 2, where the sequence is formed. Packed (split on entry) when forward()'s own ``hidden_states`` already
+    holds the S tokens, unless forward() reads a sequence length from a whole input before the blocks (a module
+    there takes the length as a number: Qwen-Image's RoPE takes ``max_txt_seq_len``): split on entry, each rank would
+    build that from its local length, so the sequence is split at the first block instead, as when forward()
+    patchifies it itself (Wan)."""
+    root_hidden = seen.root.inputs.get("hidden_states")
+    seen.packed = torch.is_tensor(root_hidden) and root_hidden.dim() == 3 and root_hidden.shape[1] == seen.seq
+    if not seen.packed:
+        shape = _shape(root_hidden) if torch.is_tensor(root_hidden) else "?"
+        out.sequence += f" forward()'s hidden_states {shape} is patchified in forward(): split at {seen.first.path}."
+        return
+    whole = _whole_length(seen)
+    if whole is None:
+        out.sequence += " forward()'s hidden_states already holds the S tokens (packed): split on entry."
+        return
+    seen.packed = False
+    path, name, n = whole
+    out.sequence += (f" forward()'s hidden_states already holds the S tokens, but {path} takes {name} = {n}, a length "
+                     f"read from a whole input: split at {seen.first.path}, not on entry.")  # fmt: skip
+
+
+def rule_split_at_entry(out: Draft, seen: _Trace) -> None:
+    """Rule 2, what is split where the sequence is formed. Packed: every forward() input with a token dim is split on
+    entry. Formed in forward(): the first block's token argument (and joint text) is split there, and only forward()
+    inputs with the token count (per-token timesteps) are split on entry, so all forward() derives from them is split
+    too; text is split where the blocks take it. Leaves the names split on entry in ``seen.root_split``."""
     first, root, hidden, seq, text, counts = seen.first, seen.root, seen.hidden, seen.seq, seen.text, seen.counts
     packed = seen.packed
-    root_hidden = root.inputs.get("hidden_states")
-    root_split: set[str] = set()
-    if packed:
-        out.sequence += " forward()'s hidden_states already holds the S tokens (packed): split on entry."
-    else:
-        shape = _shape(root_hidden) if torch.is_tensor(root_hidden) else "?"
-        out.sequence += f" forward()'s hidden_states {shape} is patchified in forward(): split at {first.path}."
-        out.add(first.path, "split_inputs", "hidden_states", 1, hidden.dim())
-        out.why.append((f"{first.path} hidden_states", f"{_shape(hidden)} is where the {seq}-token sequence is "
+    if not packed:
+        out.add(first.path, "split_inputs", seen.token_arg, 1, hidden.dim())
+        out.why.append((f"{first.path} {seen.token_arg}", f"{_shape(hidden)} is where the {seq}-token sequence is "
                         "first formed; it flows split through every block to the output"))  # fmt: skip
         if seen.joint:
             out.add(first.path, "split_inputs", "encoder_hidden_states", 1, text.dim())
@@ -289,22 +334,20 @@ def _split_at_entry(out: Draft, seen: _Trace) -> set[str]:
                 out.notes.append(f"forward() input {n} {_shape(t)} has a token dim inside a list: not drafted")
                 continue
             out.add("", "split_inputs", name, d, t.dim())
-            root_split.add(name)
+            seen.root_split.add(name)
             what = "per-token" if packed else "per-token (split at its source, so all it derives is split)"
             out.why.append((f'"" {name}', f"forward() input {_shape(t)}: dim {d} has the {counts[t.shape[d]]} "
                             f"count {t.shape[d]}, {what}"))  # fmt: skip
-    return root_split
 
 
-def _split_block_inputs(
-    out: Draft, seen: _Trace, root_split: set[str]
-) -> dict[str, dict[int, tuple[int, torch.Tensor]]]:
-    """The other tensors the first block receives with a token dim. A forward() input arrives split already (or gets
-    a note if it was not). One a module before the blocks produced (RoPE cos/sin) is split at that module's output,
-    returned as {path: {output index: (dim, tensor)}}, unless for a packed model re-running the module on split
-    inputs already gives the split length. One forward() builds itself is split at ``<blocks>.*`` (each block
-    splits its whole copy), unless forward() built it from inputs already split on entry."""
-    first, counts, packed = seen.first, seen.counts, seen.packed
+def rule_split_block_inputs(out: Draft, seen: _Trace) -> None:
+    """Rule 3, per-token tensors the first block receives. A forward() input arrives split already (or gets a note if
+    it was not). One a module before the blocks produced (RoPE cos/sin) is left in ``seen.tables`` for
+    `rule_split_tables`, unless for a packed model re-running the module on split inputs already gives the split
+    length. One forward() builds itself is split at ``<blocks>.*`` (each block splits its whole copy), unless
+    forward() built it from inputs already split on entry; one built whole over the joint [tokens | text] sequence
+    is a joint key mask (`_joint_key_mask`)."""
+    first, counts, packed, root_split = seen.first, seen.counts, seen.packed, seen.root_split
     root_ids = {id(t): n for name, v in seen.root.inputs.items() for n, t in flatten_tensors(v, name)}
     produced: dict[int, tuple[Call, int]] = {}  # outputs of modules run before the first block, by tensor id
     for call in sorted(seen.calls.values(), key=lambda c: (len(c.path), c.start)):  # outermost module first
@@ -312,9 +355,8 @@ def _split_block_inputs(
             for i, o in enumerate(call.outputs):
                 if torch.is_tensor(o):
                     produced.setdefault(id(o), (call, i))
-    split_outputs: dict[str, dict[int, tuple[int, torch.Tensor]]] = {}
     for name, value in first.inputs.items():
-        if name == "hidden_states" or (seen.joint and name == "encoder_hidden_states"):
+        if name == seen.token_arg or (seen.joint and name == "encoder_hidden_states"):
             continue
         for n, t in flatten_tensors(value, name):
             d = _token_dim(t, counts)
@@ -332,7 +374,7 @@ def _split_block_inputs(
                     out.notes.append(f"{call.path} output {index} {_shape(t)} (-> {first.path} {n}) is rebuilt from "
                                      "split inputs (re-run on halves: half the rows): not split again")  # fmt: skip
                     continue
-                split_outputs.setdefault(call.path, {})[index] = (d, t)
+                seen.tables.setdefault(call.path, {})[index] = (d, t)
                 continue
             if root_split - {"hidden_states"} and not packed:
                 out.notes.append(f"{first.path} {n} {_shape(t)} is built in forward() (assumed from the split "
@@ -351,7 +393,6 @@ def _split_block_inputs(
             out.why.append((f"{seen.list_path}.* {name}", f"{_shape(t)} is built in forward() and handed to every "
                             f"block with the whole {counts[t.shape[d]]} count on dim {d}: each block splits "
                             "its copy"))  # fmt: skip
-    return split_outputs
 
 
 def _joint_key_mask(out: Draft, seen: _Trace, name: str, t: torch.Tensor) -> None:
@@ -360,18 +401,17 @@ def _joint_key_mask(out: Draft, seen: _Trace, name: str, t: torch.Tensor) -> Non
     puts its keys in the ranks' order. The segments' model order [tokens | text] is the processors' concatenation
     order; check_plan compares with the serial run, so a wrong order fails there."""
     first = seen.first.path
-    out.joint_key_mask = [f"{first}:hidden_states", f"{first}:encoder_hidden_states"]
+    out.joint_key_mask = [f"{first}:{seen.token_arg}", f"{first}:encoder_hidden_states"]
     out.why.append((f"joint_key_mask ({name})", f"{_shape(t)} is built in forward() over the whole "
                     f"{seen.seq} + {seen.text_len} tokens, [tokens | text] in model order: not split; CP reorders "
                     "its keys into the order the ranks hold them (train/cp/masks.py)"))  # fmt: skip
 
 
-def _split_producer_outputs(
-    out: Draft, seen: _Trace, split_outputs: dict[str, dict[int, tuple[int, torch.Tensor]]]
-) -> None:
-    """Split the outputs `_split_block_inputs` traced to a module before the blocks, one entry per module: they reach
-    the first block with the whole count, so they are cut like the tokens where they are made."""
-    for path, outs in split_outputs.items():
+def rule_split_tables(out: Draft, seen: _Trace) -> None:
+    """Rule 3, tables: the outputs `rule_split_block_inputs` traced to a module before the blocks (RoPE cos/sin) reach
+    the first block with the whole count, so they are split like the tokens where they are made, one entry per
+    module."""
+    for path, outs in seen.tables.items():
         for index, (d, t) in sorted(outs.items()):
             out.add(path, "split_outputs", index, d, t.dim())
         idx = " / ".join(str(i) for i in sorted(outs))
@@ -383,8 +423,8 @@ def _split_producer_outputs(
         out.why.append((f"{path} outputs {idx}", why))
 
 
-def _gather_output(out: Draft, seen: _Trace) -> None:
-    """The output: the last module after the blocks whose output holds the S tokens on dim 1 (``proj_out``) is
+def rule_gather_output(out: Draft, seen: _Trace) -> None:
+    """Rule 4, the output: the last module after the blocks whose output holds the S tokens on dim 1 (``proj_out``) is
     gathered, so the loss sees the whole prediction. When forward() builds per-token tensors itself (a
     ``<blocks>.*`` entry) and transforms the sequence between the first module after the blocks and the last, the
     first is gathered instead, so that step runs on whole tensors, and the last one's input is split again, so
@@ -426,11 +466,12 @@ def _gather_output(out: Draft, seen: _Trace) -> None:
                     f"{more}: gather the sequence so the loss sees the whole prediction"))  # fmt: skip
 
 
-def _local_attention(out: Draft, seen: _Trace) -> None:
-    """Which attention runs locally. Cross-attention onto whole text: a processor that still hands it its parallel
-    config would all-to-all every rank's identical copy of the text through Ulysses, so such attention runs locally
-    (exact: local queries, all keys). Attention before the blocks (a text refiner) runs on replicated tokens: local,
-    at the model's child holding it."""
+def rule_local_attention(out: Draft, seen: _Trace) -> None:
+    """Rule 5, which attention runs locally. Cross-attention onto whole text: a processor that still hands it its
+    parallel config would all-to-all every rank's identical copy of the text through Ulysses, so such attention runs
+    locally (exact: local queries, all keys). Attention before the blocks (a text refiner) runs on replicated tokens:
+    local, at the model's child holding it; unless the model is packed and it attends over tokens split on entry
+    (Flux3's per-mode blocks): those attend through CP like the blocks."""
     first, blocks, text_len = seen.first, seen.blocks, seen.text_len
     local = set()
     for call in seen.calls.values():
@@ -440,7 +481,9 @@ def _local_attention(out: Draft, seen: _Trace) -> None:
             block = next(b for b in blocks if call.path.startswith(b + "."))
             local.add(f"{seen.list_path}.*{call.path[len(block) :]}")
     for call in seen.calls.values():
-        if (_is_attention(call.module) and call.path
+        q = call.inputs.get("hidden_states")
+        split_on_entry = seen.packed and torch.is_tensor(q) and q.dim() == 3 and q.shape[1] in seen.counts
+        if (_is_attention(call.module) and call.path and not split_on_entry
                 and not _is_inside(call.path, blocks) and call.end < first.start):  # fmt: skip
             local.add(call.path.split(".")[0])
     out.local_attention = sorted(local)
@@ -449,15 +492,17 @@ def _local_attention(out: Draft, seen: _Trace) -> None:
                         "the parallel config to dispatch_attention_fn (seen by a spy): attend locally"))  # fmt: skip
 
 
-def _decide_layout_registry(out: Draft, seen: _Trace) -> None:
-    """``layout_registry: true`` only when every attention call attends over a split length, the sum of two, or the
-    whole text: what the layout registry assumes. The first call that does not turns it off (every layer then
-    exchanges sizes) and says which."""
+def rule_layout_registry(out: Draft, seen: _Trace) -> None:
+    """Rule 6, ``layout_registry: true`` only when every attention call attends over a split length, the sum of
+    two, or the whole text: what the layout registry assumes. The first call that does not turns it off (every layer
+    then exchanges sizes) and says which. Attention that `rule_local_attention` runs locally never asks the
+    registry, so it does not count."""
     counts = seen.counts
     allowed = set(counts) | {a + b for a in counts for b in counts}
     whole = {seen.text_len} if seen.text_len is not None and not seen.joint else set()
+    local = [re.compile(re.escape(p).replace(r"\*", r"\d+") + r"(\.|$)") for p in out.local_attention]
     for call in seen.calls.values():
-        if _is_attention(call.module):
+        if _is_attention(call.module) and not any(m.match(call.path) for m in local):
             q = call.inputs.get("hidden_states")
             kv = call.inputs.get("encoder_hidden_states")
             lengths = [x.shape[1] for x in (q, kv) if torch.is_tensor(x) and x.dim() == 3]
@@ -466,6 +511,19 @@ def _decide_layout_registry(out: Draft, seen: _Trace) -> None:
                 out.notes.append(f"{call.path} attends over {lengths} tokens, not built from the splits: "
                                  "layout_registry false (every layer exchanges sizes)")  # fmt: skip
                 break
+
+
+# The rules `draft` applies, in order.
+RULES = (
+    rule_sequence,
+    rule_where_formed,
+    rule_split_at_entry,
+    rule_split_block_inputs,
+    rule_split_tables,
+    rule_gather_output,
+    rule_local_attention,
+    rule_layout_registry,
+)
 
 
 def _attends_with_cp(call: Call) -> bool:

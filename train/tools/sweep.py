@@ -60,6 +60,7 @@ SIZES: dict[str, int] = {
     "H": 1,  # latent rows after patching (video); images use F x W
     "W": 7,  # latent columns after patching
     "S": 35,  # image/video tokens: F x H x W (video) = 5 x 7 (image)
+    "LS": 46,  # text and image tokens in one packed sequence: L + S
 }
 TINY_HEADS = 5  # divisible by neither 2 nor 3: every CP degree of the sweep splits heads unevenly
 TINY_HEAD_DIM = 16
@@ -261,6 +262,15 @@ def _from_spec(spec: Any, gen: torch.Generator) -> Any:
         return torch.ones(shape, dtype=torch.long)
     if kind == "ids":
         return torch.zeros(shape, dtype=torch.long)
+    if kind == "fill":  # an integer tag on every token (a role indicator)
+        return torch.full(shape, spec["value"], dtype=torch.long)
+    if kind == "arange":  # 0, 1, ..., n - 1 (a 1-D position index)
+        return torch.arange(shape[0])
+    if kind == "aranges":  # one position index per axis: (arange(shape[0]), arange(shape[1]), ...)
+        return tuple(torch.arange(n) for n in shape)
+    if kind == "positions":  # position ids: token i has position i on every axis (last dim)
+        pos = torch.arange(shape[-2]).unsqueeze(-1).expand(*shape[-2:])
+        return pos.expand(*shape).clone()
     if kind == "false":
         return torch.zeros(shape, dtype=torch.bool)
     if kind == "bool_mask":

@@ -13,11 +13,30 @@ from train.models.tiny import clip_text_encoder, clip_tokenizer, t5_encoder, t5_
 def tiny_components(name: str = "flux") -> dict[str, Any]:
     """The tiny FLUX.1 pipeline's components (FluxPipeline's constructor arguments, FLUX.1 Kontext's too): CLIP + T5,
     AutoencoderKL with 4 latent channels, the tiny transformer of family ``name``."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
     cfg = tiny_config(name)
-    z = cfg["in_channels"] // 4  # FluxPipeline packs 2x2 latent patches into channels
-    vae = AutoencoderKL(
+    vae = flux_vae(cfg["in_channels"] // 4)  # FluxPipeline packs 2x2 latent patches into channels
+    clip_tok = clip_tokenizer()
+    t5_tok = t5_tokenizer(max_length=64)
+    clip = clip_text_encoder(len(clip_tok), cfg["pooled_projection_dim"])
+    return dict(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=clip,
+        tokenizer=clip_tok,
+        text_encoder_2=t5_encoder(len(t5_tok), cfg["joint_attention_dim"]),
+        tokenizer_2=t5_tok,
+        transformer=FluxTransformer2DModel(**cfg),
+    )
+
+
+def flux_vae(z: int):
+    """A tiny FLUX.1 AutoencoderKL (x8, ``z`` latent channels) with non-trivial shift and scaling factors (Chroma's
+    VAE too)."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
         in_channels=3,
         out_channels=3,
         down_block_types=("DownEncoderBlock2D",) * 4,
@@ -30,18 +49,6 @@ def tiny_components(name: str = "flux") -> dict[str, Any]:
         use_post_quant_conv=False,
         shift_factor=0.1,
         scaling_factor=0.5,
-    )
-    clip_tok = clip_tokenizer()
-    t5_tok = t5_tokenizer(max_length=64)
-    clip = clip_text_encoder(len(clip_tok), cfg["pooled_projection_dim"])
-    return dict(
-        scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=vae,
-        text_encoder=clip,
-        tokenizer=clip_tok,
-        text_encoder_2=t5_encoder(len(t5_tok), cfg["joint_attention_dim"]),
-        tokenizer_2=t5_tok,
-        transformer=FluxTransformer2DModel(**cfg),
     )
 
 

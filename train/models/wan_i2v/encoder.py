@@ -29,6 +29,7 @@ class WanI2VEncoder(WanEncoder):
     name = "wan_i2v"
     validation_image = "required"  # the pipeline's `image`: its conditioning input (train/validation.py)
     fixed_text_tokens = 512
+    image_embeds = True  # Wan 2.1's CLIP image embeddings (`encode_image`); Wan 2.2 A14B has no image encoder
     default_geometry = Geometry("wan_i2v", "video", 16, 4, 1)
 
     def load(self, pretrained_path, **kwargs):
@@ -46,7 +47,8 @@ class WanI2VEncoder(WanEncoder):
             first, 1, pipe.vae.config.z_dim, height, width, frames, torch.float32, self.device, None, placeholder
         )
         mask_channels = pipe.vae_scale_factor_temporal
-        image = Image.fromarray(((first[0].permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).byte().cpu().numpy())
         out["condition_latents"] = condition[0, mask_channels:]
-        out["image_embeds"] = pipe.encode_image(image, self.device)[0]
+        if self.image_embeds:
+            pixels8 = ((first[0].permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).byte().cpu().numpy()
+            out["image_embeds"] = pipe.encode_image(Image.fromarray(pixels8), self.device)[0]
         return out

@@ -26,7 +26,10 @@ def first_frame_mask(latents: torch.Tensor, vae_scale_factor_temporal: int = VAE
     return mask
 
 
-def build_inputs(batch: Batch, noisy_latents: Streams, timesteps: Streams, *, model_config: Config) -> dict[str, Any]:
+def channel_inputs(batch: Batch, noisy_latents: Streams, timesteps: Streams) -> dict[str, Any]:
+    """The kwargs of WanImageToVideoPipeline's loop without ``expand_timesteps``, image embeddings aside:
+    ``hidden_states = cat([latents, mask, condition_latents], dim=1)``, the timestep, the text (Wan 2.2 A14B's whole
+    input; Wan 2.1 adds the CLIP image embeddings)."""
     latents = noisy_latents["latents"]
     condition = batch["condition_latents"].to(latents.dtype)
     if condition.shape != latents.shape:
@@ -35,8 +38,11 @@ def build_inputs(batch: Batch, noisy_latents: Streams, timesteps: Streams, *, mo
         "hidden_states": torch.cat([latents, first_frame_mask(condition), condition], dim=1),
         "timestep": timesteps["latents"],
         "encoder_hidden_states": batch["prompt_embeds"],
-        "encoder_hidden_states_image": batch["image_embeds"],
     }
+
+
+def build_inputs(batch: Batch, noisy_latents: Streams, timesteps: Streams, *, model_config: Config) -> dict[str, Any]:
+    return channel_inputs(batch, noisy_latents, timesteps) | {"encoder_hidden_states_image": batch["image_embeds"]}
 
 
 # Wan-AI/Wan2.1-I2V-14B-480P-Diffusers: Wan's transformer and VAE, LoRA targets (`attn2.add_k_proj` / `add_v_proj`, the
