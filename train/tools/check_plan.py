@@ -312,6 +312,25 @@ def _case_mesh(rank: int, world: int, timeout_s: float):
                                  mesh_dim_names=("ring", "ulysses"))  # fmt: skip
 
 
+def _serial_reference(source, spec) -> tuple:
+    """One serial step of the case's model on this rank: (its recorder, the plan's resolved paths, the step inputs,
+    the forward kwargs, the outputs, the loss, every gradient)."""
+    from train.cp.plans import resolve_plan
+    from train.tools.probe import as_outputs
+
+    serial_model = source.build(0)
+    paths = sorted(resolve_plan(spec, serial_model))
+    serial = _Recorder(serial_model, paths)
+    step = source.step_inputs(1)  # a family's training step (train/step.py), else --inputs with an MSE loss
+    kwargs = step.kwargs if step is not None else source.inputs(1)
+    raw = serial_model(**kwargs, return_dict=False)
+    ref_out = _output_tensors(as_outputs(raw))
+    ref_loss = _step_loss(step, raw, ref_out, serial_model)
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in serial_model.named_parameters() if p.grad is not None}
+    return serial, paths, step, kwargs, ref_out, ref_loss, ref_grads
+
+
 def check_rank(
     rank: int,
     world: int,
@@ -328,7 +347,7 @@ def check_rank(
     import torch.distributed as dist
 
     from train.cp import enable_context_parallel
-    from train.cp.plans import load_plan_file, resolve_plan
+    from train.cp.plans import load_plan_file
     from train.cp.reduce import GradReduction
     from train.tools.probe import as_outputs, resolve_source
 
@@ -340,17 +359,7 @@ def check_rank(
         reduction = GradReduction("allreduce", cp_group=mesh["ulysses"].get_group())
         source = case.source if case.source is not None else resolve_source(case.model, case.inputs, case.family)
         spec = load_plan_file(case.plan)
-        serial_model = source.build(0)
-        paths = sorted(resolve_plan(spec, serial_model))
-        serial = _Recorder(serial_model, paths)
-        step = source.step_inputs(1)  # a family's training step (train/step.py), else --inputs with an MSE loss
-        kwargs = step.kwargs if step is not None else source.inputs(1)
-        raw = serial_model(**kwargs, return_dict=False)
-        ref_out = _output_tensors(as_outputs(raw))
-        ref_loss = _step_loss(step, raw, ref_out, serial_model)
-        ref_loss.backward()
-        ref_grads = {n: p.grad for n, p in serial_model.named_parameters() if p.grad is not None}
-
+        serial, paths, step, kwargs, ref_out, ref_loss, ref_grads = _serial_reference(source, spec)
         model = source.build(0)
         cp = _Recorder(model, paths)
         res: dict[str, Any] = {"case": case, "rows": [], "error": None, "case_timeout_s": case_timeout_s}
