@@ -443,3 +443,33 @@ def test_training_problems_flags_plans_without_split_or_gather() -> None:
     only_gather = wan_spec({"proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3)})
     assert any("never gathers" in p for p in training_problems(only_split, model))
     assert any("never splits" in p for p in training_problems(only_gather, model))
+
+
+def test_last_block_gather_needs_the_replicated_tail() -> None:
+    """`blocks.-1` names the last block at any depth. Gathering its output is a gather inside a repeated block unless
+    the plan declares `replicated_tail` (enable.py then scales the gradients so the SUM over CP ranks stays exact);
+    a gather inside an earlier block stays refused either way."""
+    import dataclasses
+
+    model = tiny_model("WanTransformer3DModel")
+    split = {"blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3)}}
+    last = {**split, "blocks.-1": ContextParallelOutput(gather_dim=1, expected_dims=3)}
+    assert set(resolve_plan(last, model)) == {"blocks.0", f"blocks.{len(model.blocks) - 1}"}
+    assert any("gathers inside a repeated block" in p for p in training_problems(wan_spec(last), model))
+    tail = dataclasses.replace(wan_spec(last), replicated_tail=True)
+    assert training_problems(tail, model) == []
+    earlier = {**split, "blocks.0.ffn": ContextParallelOutput(gather_dim=1, expected_dims=3)}
+    assert any(
+        "gathers inside" in p
+        for p in training_problems(dataclasses.replace(wan_spec(earlier), replicated_tail=True), model)
+    )
+    with pytest.raises(ValueError, match="only negative index is -1"):
+        load_plan_file_text("plan:\n  blocks.-2:\n    gather: {dim: 1}\n")
+
+
+def load_plan_file_text(body: str) -> CPPlanSpec:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write("model_class: WanTransformer3DModel\ntraining: supported\n" + body)
+    return load_plan_file(f.name)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -151,11 +152,13 @@ class _Step:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, transformer: torch.nn.Module) -> None:
         self.monkeypatch, self.transformer, self.calls = monkeypatch, transformer, []
         original = transformer.forward
+        names = list(inspect.signature(original).parameters)
 
         @functools.wraps(original)  # the pipelines read the forward's signature
-        def forward(**kwargs):
-            out = original(**kwargs)
-            self.calls.append(({k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()}, out))
+        def forward(*args, **kwargs):
+            out = original(*args, **kwargs)
+            kwargs = {**dict(zip(names, args)), **kwargs}  # positional arguments by name (ZImagePipeline's)
+            self.calls.append(({k: _clone(v) for k, v in kwargs.items()}, out))
             return out
 
         monkeypatch.setattr(transformer, "forward", forward)
@@ -173,6 +176,13 @@ class _Step:
         assert len(self.calls) == 1, f"expected one transformer call, got {len(self.calls)}"
         kwargs, out = self.calls[0]
         return PipelineStep(batch, noisy, sigmas, kwargs, out, self.transformer.config, final)
+
+
+def _clone(value: Any) -> Any:
+    """A captured argument: tensors (and lists of them, Z-Image's per-sample inputs) cloned."""
+    if isinstance(value, list):
+        return [_clone(v) for v in value]
+    return value.clone() if torch.is_tensor(value) else value
 
 
 def _cached_text(name: str, path: Path, count: int, **media: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -207,6 +217,24 @@ def _drive_flux(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
     return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)})
 
 
+def _drive_cosmos(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    """Cosmos2_5_PredictBasePipeline text2world (no image or video: no clean frames, the cache's condition_mask all
+    False): its per-frame timestep (B, 1, F, 1, 1), the condition-mask channel and the padding mask; loaded with the
+    family encoder's components (a pass-through safety checker without cosmos_guardrail). UniPC's one first-order
+    step to sigma 0 is the Euler step."""
+    b, _, f, h, w = _recipe_latents("cosmos")
+    batch = _cached_text("cosmos", path, BATCH, condition_mask=torch.zeros(f, dtype=torch.bool))
+    encoder = get_encoder("cosmos")
+    pipe = diffusers.Cosmos2_5_PredictBasePipeline.from_pretrained(path, **encoder.pipeline_components(str(path), None))
+    step, s, t = _Step(monkeypatch, pipe.transformer), pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
+    step.force_sigmas(pipe.scheduler, np.array([SIGMA]))
+    noisy = torch.randn(b, tiny_config("cosmos")["out_channels"], f, h, w, generator=_gen(SEED))
+    final = pipe(prompt_embeds=batch["prompt_embeds"], latents=noisy, height=h * s, width=w * s,
+                 num_frames=(f - 1) * t + 1, guidance_scale=1.0, num_inference_steps=1,
+                 output_type="latent").frames  # fmt: skip
+    return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)}, {"latents": final})
+
+
 def _drive_chroma(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
     """ChromaPipeline given the captions themselves: it encodes them and builds its attention mask (padded text of two
     lengths) itself; the cache holds the family encoder's embeddings and tokenizer mask of the same captions."""
@@ -218,6 +246,20 @@ def _drive_chroma(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
          generator=_gen(SEED), output_type="latent")  # fmt: skip
     noisy = randn_tensor((b, c, h, w), generator=_gen(SEED))  # prepare_latents' draw, before _pack_latents
     return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)})
+
+
+def _drive_zimage(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    """ZImagePipeline given the captions themselves (it templates, encodes and drops each prompt's padding itself:
+    caption features of two lengths), CFG off (guidance 0: one call); the cache holds the family encoder's features of
+    the same captions. Its (positional) list inputs and negated output are checked like any family's."""
+    batch = _cached_text("zimage", path, BATCH)
+    assert batch["prompt_mask"].sum(dim=1).unique().numel() == BATCH  # prompts of different lengths
+    pipe = diffusers.ZImagePipeline.from_pretrained(path)
+    step, (b, c, h, w), s = _one_step(pipe, monkeypatch), _recipe_latents("zimage"), pipe.vae_scale_factor
+    noisy = torch.randn(b, c, h, w, generator=_gen(SEED))  # the pipeline takes latents in the cache layout
+    final = pipe(prompt=list(CAPTIONS[:b]), latents=noisy, height=h * s, width=w * s, num_inference_steps=1,
+                 guidance_scale=0.0, output_type="latent").images  # fmt: skip
+    return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)}, {"latents": final})
 
 
 def _drive_flux_kontext(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
@@ -395,6 +437,28 @@ def _drive_wan22_i2v(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineSte
     return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)}, {"latents": final})
 
 
+def _drive_wan_vace(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    """WanVACEPipeline (one video per call: batch 1) given the control video's frames and no mask: it preprocesses
+    and encodes them and builds the mask cells itself; the cache holds the family encoder's control_latents of the
+    same frames."""
+    from PIL import Image
+
+    b, c, f, h, w = 1, tiny_config("wan_vace")["out_channels"], 2, 2, 4
+    pipe = diffusers.WanVACEPipeline.from_pretrained(path)
+    s, t = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
+    control = torch.randint(0, 256, ((f - 1) * t + 1, 3, h * s, w * s), generator=_gen(3), dtype=torch.uint8)
+    encoder = get_encoder("wan_vace")
+    encoder.load(str(path))
+    batch = _cached_text("wan_vace", path, b, control_latents=encoder.control_latents(control))
+    step = _one_step(pipe, monkeypatch)
+    noisy = torch.randn(b, c, f, h, w, generator=_gen(SEED))
+    final = pipe(video=[Image.fromarray(x.permute(1, 2, 0).numpy()) for x in control],
+                 prompt_embeds=batch["prompt_embeds"], latents=noisy, height=h * s, width=w * s,
+                 num_frames=(f - 1) * t + 1, guidance_scale=1.0, num_inference_steps=1,
+                 output_type="latent").frames  # fmt: skip
+    return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)}, {"latents": final})
+
+
 def _drive_skyreels_v2(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
     """SkyReelsV2DiffusionForcingPipeline, asynchronous (ar_step=1, one frame per block), stopped after its first
     transformer call: frame 0 at the step's timestep, the later frames at generate_timestep_matrix's not-started 999,
@@ -508,6 +572,39 @@ def _drive_hunyuan_video15(path: Path, monkeypatch: pytest.MonkeyPatch) -> Pipel
     return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)}, {"latents": final})
 
 
+def _drive_hunyuanimage(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    """HunyuanImagePipeline given the captions themselves (it encodes them: the Qwen template and the 34 tokens it
+    drops, the ByT5 glyph text), its guider off: the one conditional transformer call per step."""
+    batch = _cached_text("hunyuanimage", path, BATCH)
+    assert not batch["prompt_mask"].all()  # a padded mask reaches the transformer
+    pipe = diffusers.HunyuanImagePipeline.from_pretrained(path)
+    pipe.guider = pipe.guider.new(enabled=False)
+    step, (b, c, h, w), s = _one_step(pipe, monkeypatch), _recipe_latents("hunyuanimage"), pipe.vae_scale_factor
+    noisy = torch.randn(b, c, h, w, generator=_gen(SEED))  # the pipeline takes latents in the cache layout
+    final = pipe(prompt=list(CAPTIONS[:b]), latents=noisy, height=h * s, width=w * s, num_inference_steps=1,
+                 output_type="latent").images  # fmt: skip
+    return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)}, {"latents": final})
+
+
+def _drive_kandinsky5(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    """Kandinsky5T2VPipeline given two captions of one token length (its transformer takes no text mask: a batch
+    shares one text length) that it encodes itself; it draws the noise channels-last and appends T2V's zero condition
+    and mask; the cache holds the family encoder's embeddings of the same captions."""
+    captions = ("a red square", "a red circle")
+    encoder = get_encoder("kandinsky5")
+    encoder.load(str(path))
+    batch = collate([encoder.encode_text(c, encoder.text_tokens(None)) for c in captions])
+    assert batch["prompt_mask"].all()  # one length: nothing padded
+    pipe = diffusers.Kandinsky5T2VPipeline.from_pretrained(path, **encoder.pipeline_components(str(path), None))
+    step, (b, c, f, h, w) = _one_step(pipe, monkeypatch), _recipe_latents("kandinsky5")
+    s, t = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
+    final = pipe(prompt=list(captions), height=h * s, width=w * s, num_frames=(f - 1) * t + 1, guidance_scale=1.0,
+                 num_inference_steps=1, generator=_gen(SEED), output_type="latent").frames  # fmt: skip
+    noisy = randn_tensor((b, f, h, w, c), generator=_gen(SEED)).permute(0, 4, 1, 2, 3)  # prepare_latents' draw
+    sigmas, final = _sigma(pipe.scheduler, b), final.permute(0, 4, 1, 2, 3)
+    return step.result(batch, {"latents": noisy}, {"latents": sigmas}, {"latents": final})
+
+
 def _drive_minimax_h3(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
     """The modular pipeline's t2va core denoise blocks (layout, latents, timesteps, denoise loop, unpack) for one
     sample (the pipeline generates one), at its shortest duration (5 s: 124 frames, 37 latent frames)."""
@@ -542,7 +639,12 @@ def _assert_kwargs_equal(ours: dict[str, Any], theirs: dict[str, Any], name: str
     assert set(ours) <= set(theirs), f"{name}: the pipeline passes no {sorted(set(ours) - set(theirs))}"
     for key, value in ours.items():
         got = theirs[key]
-        if torch.is_tensor(value):
+        if isinstance(value, list):  # per-sample tensors (Z-Image)
+            assert isinstance(got, list) and len(got) == len(value), (name, key, got)
+            for i, (v, g) in enumerate(zip(value, got)):
+                assert torch.is_tensor(g) and v.dtype == g.dtype, (key, i, v.dtype, g)
+                torch.testing.assert_close(v, g, msg=lambda m, k=f"{key}[{i}]": f"{name}.{k}: {m}")
+        elif torch.is_tensor(value):
             assert torch.is_tensor(got) and value.dtype == got.dtype, (key, value.dtype, got)
             torch.testing.assert_close(value, got, msg=lambda m, k=key: f"{name}.{k}: {m}")
         else:

@@ -22,8 +22,9 @@ over the 4 CP ranks): per step the loss and grad_norm equal the serial run's, ev
 serial export's (1e-5 relative each), and step 1's loss and grad_norm the fp64 serial oracle's (1e-5).
 
 Clip sizes come from the family's own size rules (its encoder's `geometry`, read from the tiny pipeline's configs):
-the smallest valid frame count from 5 up, sides of 32 x 48 rounded up to the spatial multiple; families that denoise
-an audio stream get clips with a soundtrack, editing families a reference image per item.
+the smallest valid frame count from 5 up, sides of 32 x 48 (`SIDES` where that is too few tokens for the run's CP
+degree) rounded up to the spatial multiple; families that denoise an audio stream get clips with a soundtrack, editing
+families a reference image per item.
 """
 
 from __future__ import annotations
@@ -59,9 +60,23 @@ LAUNCH: dict[str, tuple[int, tuple[str, ...]]] = {
     # I2V A14B: its high-noise expert, the default model.subfolder)
     "chroma": (3, ("parallel.cp=3",)),
     "wan22_i2v": (3, ("parallel.cp=3",)),
+    # no text mask, one text length per batch: batch 1 × 2 micro-batches (as MiniMax-H3), at CP 3
+    "kandinsky5": (3, ("parallel.cp=3", "train.batch_size=1", "train.grad_accum=2")),
+    # Cosmos Predict 2.5: per-frame timestep, clean conditioning frames, its attn1 processor swap
+    "cosmos": (3, ("parallel.cp=3",)),
+    # Wan VACE: the control stream split beside the tokens (its hand plan), through the trainer at CP 3
+    "wan_vace": (3, ("parallel.cp=3",)),
+    # Z-Image: per-sample lists of latents and caption features, the model's unified sequence split at layers.0
+    "zimage": (3, ("parallel.cp=3",)),
+    # HunyuanImage 2.1: padded Qwen and ByT5 text packed by forward(), the joint key mask, its refiner replicated
+    "hunyuanimage": (3, ("parallel.cp=3",)),
 }
+# clip sides (before rounding up to the spatial multiple) where 32 x 48 gives fewer image tokens than the run's CP
+# degree: HunyuanImage's x32 VAE makes 32 x 64 one latent row of 2 tokens; 64 x 96 gives 2 x 3
+SIDES = {"hunyuanimage": (64, 96)}
 # modules the LoRA must adapt besides the blocks: the text refiner's attention
-ADAPTED = {"hunyuan_video": "transformer.context_embedder.", "hunyuan_video15": "transformer.context_embedder."}
+ADAPTED = {"hunyuan_video": "transformer.context_embedder.", "hunyuan_video15": "transformer.context_embedder.",
+           "hunyuanimage": "transformer.context_embedder."}  # fmt: skip
 # HunyuanVideo exact. AdamW moves a weight by ~lr * g / (|g| + eps) per step: about lr * sign(g) while |g| >> eps,
 # whatever |g|, so a weight whose gradient is near eps moves by an amount fp32 rounding of g decides. Measured at CP 2
 # (losses and grad norms within 1e-7 of serial), the largest weight error, in the timestep embedder's linear_1 (an
@@ -102,7 +117,7 @@ def _prepare(family: str, pipeline: Path, root: Path) -> Path:
     geometry = encoder.geometry(str(pipeline))
     video = spec.latent_kind == "video"
     frames = next(f for f in range(5, 100) if f % geometry.frame_period == geometry.frame_offset) if video else 1
-    height, width = _round_up(32, geometry.spatial_multiple), _round_up(48, geometry.spatial_multiple)
+    height, width = (_round_up(side, geometry.spatial_multiple) for side in SIDES.get(family, (32, 48)))
     sound = "audio_latents" in spec.streams  # MiniMax-H3: clips with a soundtrack
     fps = 24.0  # MiniMax-H3's fixed rate; any rate for the others
     media = root / "media"

@@ -7,6 +7,24 @@ a mask that matters), and its plan's `joint_key_mask` is what makes it exact: wi
 refused on every rank with one line naming the plan key.
 Wan 2.2 I2V A14B (`wan22_i2v`): (2) the cache's condition latents are WanImageToVideoPipeline's own for the same
 image, with no image embeddings; (3) each expert's sigmas fall on its side of the shipped boundary_ratio 0.9.
+Cosmos Predict 2.5 (`cosmos`): (4) the cache's clean conditioning frames, condition-mask channel and per-frame
+timestep are what Cosmos2_5_PredictBasePipeline passes for the same clip as a video2world input; CP is exact with
+the plan's attn1 processor swap and wrong without it.
+Wan VACE (`wan_vace`): (5) the cache's control latents are what WanVACEPipeline hands its transformer for a partial
+mask and two reference images (the test_families.py driver covers the data path's control video with no mask), and
+its R + F latent frames are the frames the pipeline denoises; (6) the control stream is live: the output and the
+control blocks' gradients depend on it.
+Z-Image (`zimage`): (7) the cache's caption features, read back as the trainer's `cap_feats`, are
+ZImagePipeline._encode_prompt's per-prompt tensors (chat template, hidden_states[-2], padding dropped) for prompts of
+different lengths; (8) 30 heads (the real model's count) split unevenly over 4 and 7 Ulysses ranks equal the serial
+pipeline-form step.
+HunyuanImage 2.1 (`hunyuanimage`): (9) the cache's Qwen and ByT5 text is HunyuanImagePipeline.encode_prompt's for
+prompts of different lengths, one quoting glyph text, and the tiny tokenizer drops exactly the template; the distilled
+checkpoint's config is refused.
+Kandinsky 5 T2V (`kandinsky5`): (10) the cache's unpadded Qwen2.5-VL rows and pooled CLIP embedding are
+Kandinsky5T2VPipeline.encode_prompt's for prompts of different lengths, the template crop keeping exactly the caption;
+(11) the family's float32-RoPE processor is the stock one less its bfloat16 rounding (bit-identical under bf16), and
+it is what makes CP exact: with the stock processor CP 2 is off by bfloat16 steps.
 """
 
 from __future__ import annotations
@@ -108,3 +126,315 @@ def test_wan22_i2v_expert_sigmas_fall_in_their_range() -> None:
                                            generator=torch.Generator().manual_seed(0))["latents"]  # fmt: skip
         t = s.double() * 1000  # WanImageToVideoPipeline: transformer while t >= boundary_ratio * 1000
         assert bool(((t >= 900) if high else (t < 900)).all()), (subfolder, s.min(), s.max())
+
+
+# (4) Cosmos Predict 2.5: the cache is the pipeline's video2world condition; the attn1 processor makes CP exact -------
+
+
+@torch.no_grad()
+def test_cosmos_cache_is_the_pipelines_video2world_condition(tiny_pipeline, monkeypatch) -> None:
+    """The encoder's cache of a clip whose first 2 latent frames it made clean equals, through the spec, what
+    Cosmos2_5_PredictBasePipeline passes its transformer when given the clip's first 5 frames as its conditioning
+    video (num_latent_conditional_frames=2): clean frames (the VAE mode of the padded video), the condition-mask
+    channel, the per-frame timestep (1e-4 on the clean frames)."""
+    from train.models.cosmos.encoder import condition_frames
+
+    path = tiny_pipeline("cosmos")
+    encoder = get_encoder("cosmos")
+    encoder.load(str(path))
+    frames, height, width = 9, 32, 48  # 3 latent frames
+    clips = (
+        torch.rand(3, frames, height, width, generator=torch.Generator().manual_seed(s)) * 2 - 1 for s in range(64)
+    )
+    clip = next(c for c in clips if condition_frames(None, c, 3) == 2)  # a clip the encoder makes video2world
+    cached = encoder.encode_media(clip, None, "mode", None)
+    assert cached["condition_mask"].tolist() == [True, True, False]
+    batch = {"latents": cached["latents"][None], "condition_mask": cached["condition_mask"][None],
+             "prompt_embeds": encoder.encode_text("a red square", 512)["prompt_embeds"][None]}  # fmt: skip
+    pipe = diffusers.Cosmos2_5_PredictBasePipeline.from_pretrained(path, **encoder.pipeline_components(str(path), None))
+    seen = []
+    original = pipe.transformer.forward
+    monkeypatch.setattr(pipe.transformer, "forward", lambda **kw: seen.append(kw) or original(**kw))
+    noise = torch.randn(1, *cached["latents"].shape, generator=torch.Generator().manual_seed(0))
+    pipe(video=clip[None, :, :5], prompt_embeds=batch["prompt_embeds"], latents=noise, height=height, width=width,
+         num_frames=frames, num_latent_conditional_frames=2, guidance_scale=1.0, num_inference_steps=1,
+         output_type="latent")  # fmt: skip
+    spec, sigma = get_family("cosmos"), pipe.scheduler.sigmas[:1]
+    cond = spec.conditioning(batch, noise)
+    noisy = cond * batch["latents"] + (1 - cond) * noise  # the pipeline's latents, clean on the cached frames
+    ours = spec.forward_kwargs(
+        batch, noisy, objective.condition_sigmas(sigma, cond), model_config=pipe.transformer.config
+    )
+    for key in ("hidden_states", "condition_mask", "timestep", "encoder_hidden_states"):
+        torch.testing.assert_close(ours[key], seen[0][key], rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+    timestep = seen[0]["timestep"].flatten()
+    assert torch.equal(timestep[:2], torch.full((2,), 1e-4)) and float(timestep[2]) > 0.5  # clean, clean, noised
+
+
+@rank_job(2)
+def _cosmos_cp_without_the_processor_swap(rank: int, world: int) -> tuple[float, float]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from train.cp import GradReduction, enable_context_parallel
+    from train.cp.plans import plan_for
+    from train.tools.oracle import compare, run_step
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses"))
+    case = family_case("cosmos", seed=1, batch_size=2)
+    serial = run_step(build_model("cosmos"), case)
+    errors = []
+    for swap in (True, False):
+        plan = plan_for("CosmosTransformer3DModel")
+        model = build_model("cosmos")
+        state = enable_context_parallel(
+            model, mesh=mesh, plan=plan if swap else dataclasses.replace(plan, cp_processors=None)
+        )
+        reduce = GradReduction("allreduce", cp_group=state.cp_group).reduce_gradients
+        errors.append(compare(run_step(model, case, reduce=reduce), serial).grad)
+    return errors[0], errors[1]
+
+
+def test_cosmos_cp_is_exact_only_with_the_attn1_processor(group) -> None:
+    for with_swap, without in group(_cosmos_cp_without_the_processor_swap, 2):
+        print(f"\ncosmos CP 2 gradient error: {with_swap:.1e} with the attn1 processor, {without:.1e} without")
+        assert with_swap < 1e-5 and without > 1e-2, (with_swap, without)
+
+
+# (5) Wan VACE: the cache is the pipeline's control stream -----------------------------------------------------------
+
+
+@torch.no_grad()
+def test_wan_vace_cache_is_the_pipelines_control(tiny_pipeline, monkeypatch) -> None:
+    from PIL import Image
+
+    path = tiny_pipeline("wan_vace")
+    encoder = get_encoder("wan_vace")
+    encoder.load(str(path))
+    gen = torch.Generator().manual_seed(5)
+    video = torch.randint(0, 256, (9, 3, 32, 48), generator=gen, dtype=torch.uint8)
+    mask = torch.zeros(9, 3, 32, 48, dtype=torch.uint8)
+    mask[:, :, 8:24, 5:37] = 255  # white = generate: a box, edges off the 8x8 cells
+    mask[6:] = 0  # the last frames kept whole
+    refs = [
+        Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=gen, dtype=torch.uint8).numpy())
+        for h, w in ((20, 40), (40, 24))
+    ]  # fmt: skip  (letterboxed onto white canvases by the pipeline)
+    cached = encoder.control_latents(video, mask, refs)
+    assert cached.shape == (72, 2 + 3, 4, 6)  # [inactive | reactive | 64 mask cells], 2 reference + 3 video frames
+
+    pipe = diffusers.WanVACEPipeline.from_pretrained(path)
+    seen = []
+    original = pipe.transformer.forward
+    monkeypatch.setattr(pipe.transformer, "forward", lambda **kw: seen.append(kw) or original(**kw))
+    frames = lambda x: [Image.fromarray(f.permute(1, 2, 0).numpy()) for f in x]  # noqa: E731
+    pipe(video=frames(video), mask=frames(mask), reference_images=refs, prompt_embeds=torch.zeros(1, 7, 16),
+         height=32, width=48, num_frames=9, guidance_scale=1.0, num_inference_steps=1,
+         output_type="latent")  # fmt: skip
+    (kwargs,) = seen
+    torch.testing.assert_close(kwargs["control_hidden_states"], cached[None], rtol=0, atol=0)
+    assert kwargs["hidden_states"].shape[2] == cached.shape[1]  # the pipeline denoises R + F latent frames
+    assert torch.equal(kwargs["control_hidden_states_scale"], torch.ones(2))
+    mask_cells = cached[8:]
+    assert not mask_cells[:, :2].any() and mask_cells[:, 2:].any() and not mask_cells[:, 2:].all()
+
+
+# (6) Wan VACE: the control stream is live -----------------------------------------------------------------------------
+
+
+def test_wan_vace_control_stream_is_live() -> None:
+    case = family_case("wan_vace", seed=1, batch_size=2)
+    model = build_model("wan_vace").eval()
+    out = model(**case.kwargs, return_dict=False)[0]
+    with torch.no_grad():
+        other = {**case.kwargs, "control_hidden_states": torch.zeros_like(case.kwargs["control_hidden_states"])}
+        assert (model(**other, return_dict=False)[0] - out).abs().max() > 1e-3
+        half = {**case.kwargs, "control_hidden_states_scale": torch.full((2,), 0.5)}
+        assert (model(**half, return_dict=False)[0] - out).abs().max() > 1e-3
+    out.square().mean().backward()
+    grads = [p.grad for n, p in model.named_parameters() if n.startswith("vace_")]
+    assert grads and all(g is not None and g.abs().max() > 0 for g in grads)
+
+
+# (7) Z-Image: the cache is the pipeline's caption features ------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_zimage_cache_is_the_pipelines_encode_prompt(tiny_pipeline) -> None:
+    from train.data.dataset import collate
+
+    path = tiny_pipeline("zimage")
+    captions = ["a red square", "a blue circle moving up on a white background, then left"]
+    encoder = get_encoder("zimage")
+    encoder.load(str(path))
+    tokens = encoder.text_tokens(None)
+    cached = collate([encoder.encode_text(c, tokens) for c in captions])
+    pipe = diffusers.ZImagePipeline.from_pretrained(path)
+    theirs = pipe._encode_prompt(list(captions), device="cpu", max_sequence_length=tokens)  # one padded batch
+    assert tokens == 512 and len({len(t) for t in theirs}) == 2  # the pipeline's default; two lengths kept
+    latents = torch.zeros(2, 4, 4, 4)
+    spec = get_family("zimage")
+    ours = spec.forward_kwargs(cached, latents, torch.full([2], 0.5), model_config={})["cap_feats"]
+    assert [tuple(t.shape) for t in ours] == [tuple(t.shape) for t in theirs]
+    for mine, pipeline in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(mine, pipeline, rtol=1e-5, atol=1e-6)
+
+
+# (8) Z-Image: 30 heads over 4 and 7 Ulysses ranks ---------------------------------------------------------------------
+
+ZIMAGE_30_HEADS = {"dim": 240, "n_heads": 30, "n_kv_heads": 30, "n_layers": 1}  # head dim 8, the real head count
+
+
+@rank_job(4, 7)
+def _zimage_30_heads(rank: int, world: int) -> tuple[float, float, float, str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from train.cp import GradReduction, enable_context_parallel
+    from train.models import tiny_config
+    from train.tools.oracle import compare, run_step
+    from train.tools.probe import init_weights
+
+    config = tiny_config("zimage") | ZIMAGE_30_HEADS
+
+    def build() -> torch.nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return init_weights(diffusers.ZImageTransformer2DModel(**config), 0).train()
+
+    inputs = family_case("zimage", seed=1, batch_size=2, model_config=config)
+    serial = run_step(build(), inputs)
+    model = build()
+    state = enable_context_parallel(model, mesh=init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses")))
+    cp = run_step(model, inputs, reduce=GradReduction("allreduce", cp_group=state.cp_group).reduce_gradients)
+    errors = compare(cp, serial)
+    return errors.out, errors.loss, errors.grad, errors.worst
+
+
+def test_zimage_30_heads_on_4_and_7_ranks(group) -> None:
+    assert 30 % 4 and 30 % 7  # uneven heads per rank
+    for world in (4, 7):
+        ranks = group(_zimage_30_heads, world)
+        print(f"\nZ-Image 30 heads over {world} Ulysses ranks: max grad rel {max(r[2] for r in ranks):.2e}")
+        for rank, (out, loss, grad, worst) in enumerate(ranks):
+            assert out <= 1e-5 and loss <= 2e-5 and grad <= 2e-5, (world, rank, out, loss, grad, worst)
+
+
+# (9) HunyuanImage 2.1: the cache is the pipeline's encode_prompt ----------------------------------------------------
+
+
+@torch.no_grad()
+def test_hunyuanimage_cache_is_the_pipelines_encode_prompt(tiny_pipeline) -> None:
+    """Prompts of different lengths, one quoting glyph text, the empty one (caption dropout's): the family encoder's
+    cache, collated, is HunyuanImagePipeline.encode_prompt of the batch (Qwen states after the template's dropped
+    tokens, ByT5 states of the quoted text, zeros where nothing is quoted)."""
+    from train.data.dataset import collate
+
+    path = tiny_pipeline("hunyuanimage")
+    encoder = get_encoder("hunyuanimage")
+    encoder.load(str(path))
+    prompts = ("a red square", 'a blue shop sign that reads "OPEN 24h" above a brick wall at night', "")
+    cached = collate([encoder.encode_text(p, encoder.text_tokens(None)) for p in prompts])
+    pipe = diffusers.HunyuanImagePipeline.from_pretrained(path)
+    template = pipe.prompt_template_encode
+    # the tiny tokenizer spells the template's prefix in the pipeline's 34 tokens: the drop removes it, and only it
+    assert len(pipe.tokenizer(template[: template.index("{}")])["input_ids"]) == pipe.prompt_template_encode_start_idx
+    embeds, mask, embeds_2, mask_2 = pipe.encode_prompt(prompt=list(prompts), device="cpu", batch_size=len(prompts))
+    assert embeds.shape[1] == 1000 and embeds_2.shape[1] == 128  # tokenizer_max_length, tokenizer_2_max_length
+    assert torch.equal(cached["prompt_mask"], mask.bool()) and torch.equal(cached["byt5_mask"], mask_2.bool())
+    torch.testing.assert_close(cached["prompt_embeds"], embeds, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(cached["byt5_embeds"], embeds_2, rtol=1e-5, atol=1e-6)
+    assert len(set(mask.sum(1).tolist())) == 3  # three text lengths
+    glyph = cached["byt5_mask"].any(1)
+    assert glyph.tolist() == [False, True, False] and not cached["byt5_embeds"][~glyph].any()
+
+
+def test_hunyuanimage_refuses_the_distilled_checkpoint() -> None:
+    import pytest
+
+    from train.models import tiny_config
+
+    distilled = {**tiny_config("hunyuanimage"), "guidance_embeds": True, "use_meanflow": True}
+    with pytest.raises(ValueError, match="distilled"):
+        family_case("hunyuanimage", model_config=distilled)
+
+
+# (10) Kandinsky 5: the cache is the pipeline's encode_prompt ----------------------------------------------------------
+
+
+@torch.no_grad()
+def test_kandinsky5_cache_is_the_pipelines_encode_prompt(tiny_pipeline) -> None:
+    """Each caption's cache (unpadded Qwen2.5-VL rows, an all-true mask, CLIP's pooled output) equals
+    Kandinsky5T2VPipeline.encode_prompt of the captions as one batch, which pads them to the longest: each sample's
+    first cu_seqlens rows. The crop drops exactly the template's system part (the rows are the caption's tokens
+    between the user header and <|im_end|>), the empty caption included."""
+    path = tiny_pipeline("kandinsky5")
+    encoder = get_encoder("kandinsky5")
+    encoder.load(str(path))
+    captions = ["a red square", "a blue circle moving up on a white background", ""]
+    cached = [encoder.encode_text(c, encoder.text_tokens(None)) for c in captions]
+    pipe = diffusers.Kandinsky5T2VPipeline.from_pretrained(path, **encoder.pipeline_components(str(path), None))
+    qwen, pooled, cu_seqlens = pipe.encode_prompt(captions, max_sequence_length=512, device="cpu")
+    lengths = cu_seqlens.diff().tolist()
+    assert len(set(lengths)) == 3 and qwen.shape[1] == max(lengths)  # three lengths: the batch is padded
+    for i, item in enumerate(cached):
+        assert item["prompt_embeds"].shape[0] == lengths[i] and item["prompt_mask"].all()
+        torch.testing.assert_close(item["prompt_embeds"], qwen[i, : lengths[i]], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(item["pooled_embeds"], pooled[i], rtol=1e-5, atol=1e-5)
+    tokenizer, start = pipe.tokenizer.tokenizer, pipe.prompt_template_encode_start_idx
+    for caption, n in zip(captions, lengths):
+        kept = tokenizer(pipe.prompt_template.format(caption))["input_ids"][start:]
+        assert len(kept) == n and tokenizer.decode(kept) == f"<|im_start|>user\n{caption}<|im_end|>"
+
+
+# (11) Kandinsky 5: the float32-RoPE processor is the stock one without its bfloat16 rounding -------------------------
+
+
+def _stock(model: torch.nn.Module) -> torch.nn.Module:
+    from diffusers.models.transformers.transformer_kandinsky import Kandinsky5Attention, Kandinsky5AttnProcessor
+
+    for module in model.modules():
+        if isinstance(module, Kandinsky5Attention):
+            module.set_processor(Kandinsky5AttnProcessor())
+    return model
+
+
+@torch.no_grad()
+def test_kandinsky5_float32_rope_is_the_stock_processor_without_bfloat16_rounding(monkeypatch) -> None:
+    """The family's processor (every model built for training has it) against diffusers' own: bit-identical under
+    bf16 autocast (the queries are bf16 there: the stock rounding is a no-op); in fp32 they differ by the stock
+    bfloat16 rounding of the rotated queries and keys, and only by it (rounding ours there gives the stock output)."""
+    from train.models.kandinsky5 import attention
+
+    case = family_case("kandinsky5", seed=1, batch_size=2)
+    ours, stock = build_model("kandinsky5").eval(), _stock(build_model("kandinsky5")).eval()
+    assert {type(m.processor) for m in ours.modules() if hasattr(m, "processor")} == {attention.Float32RopeProcessor}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(ours(**case.kwargs, return_dict=False), stock(**case.kwargs, return_dict=False))
+    a, b = ours(**case.kwargs, return_dict=False), stock(**case.kwargs, return_dict=False)
+    assert 0 < (a - b).abs().max() < 1e-2 * b.abs().max()  # bf16 rounding (2^-8 relative) of q and k, nothing more
+    rotate = attention.rotate
+    monkeypatch.setattr(attention, "rotate", lambda x, rope: rotate(x, rope).to(torch.bfloat16).to(x.dtype))
+    assert torch.equal(ours(**case.kwargs, return_dict=False), b)
+
+
+@rank_job(2)
+def _kandinsky5_cp_with_the_stock_processor(rank: int, world: int) -> tuple[float, float]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from train.cp import GradReduction, enable_context_parallel
+    from train.tools.oracle import compare, run_step
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses"))
+    case = family_case("kandinsky5", seed=1, batch_size=2)
+    errors = []
+    for prepare in (lambda m: m, _stock):  # the family's processor, then diffusers' own, serial and CP alike
+        serial = run_step(prepare(build_model("kandinsky5")), case)
+        model = prepare(build_model("kandinsky5"))
+        reduce = GradReduction("allreduce", cp_group=enable_context_parallel(model, mesh=mesh).cp_group)
+        errors.append(compare(run_step(model, case, reduce=reduce.reduce_gradients), serial).grad)
+    return errors[0], errors[1]
+
+
+def test_kandinsky5_cp_is_exact_only_with_the_float32_rope(group) -> None:
+    for ours, stock in group(_kandinsky5_cp_with_the_stock_processor, 2):
+        print(f"\nkandinsky5 CP 2 gradient error: {ours:.1e} with the float32-RoPE processor, {stock:.1e} stock")
+        assert ours <= 2e-5 < 1e-4 < stock, (ours, stock)  # tests/test_cp_models.py's fp32 tolerance: 2e-5

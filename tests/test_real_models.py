@@ -82,6 +82,25 @@ PUBLISHED_PARAMS = {
     # 20 more input channels of the patch embedding (36 vs 16, x 5120 x 1 x 2 x 2 = 409,600); no image branch
     "Wan-AI/Wan2.2-I2V-A14B-Diffusers": 14_288_901_184,
     "Wan-AI/Wan2.2-I2V-A14B-Diffusers/transformer_2": 14_288_901_184,
+    # Wan2.1-VACE: no exact published totals found; Wan2.1-T2V-1.3B's / -14B's published counts (above) + the VACE
+    # branch the shipped configs build (vace_patch_embedding and 15 / 8 VACE blocks with their before/after
+    # projections): 734,975,232 and 3,049,101,312
+    "Wan-AI/Wan2.1-VACE-1.3B-diffusers": 2_153_972_032,
+    "Wan-AI/Wan2.1-VACE-14B-diffusers": 17_337_592_896,
+    # Cosmos Predict 2.5: no exact published totals found; these are the counts of the shipped configs (diffusers'
+    # converter values), which the model names' 2B and 14B round
+    "nvidia/Cosmos-Predict2.5-2B": 2_059_174_912,
+    "nvidia/Cosmos-Predict2.5-14B": 14_368_047_104,
+    # Z-Image and Z-Image-Turbo (one architecture): the hub's 6,154,908,736 parameters as public loaders and model
+    # catalogs list them (the model card's "6B")
+    "Tongyi-MAI/Z-Image": 6_154_908_736,
+    "Tongyi-MAI/Z-Image-Turbo": 6_154_908_736,
+    # HunyuanImage 2.1 (base): public model catalogs' totalParams of hunyuanvideo-community/HunyuanImage-2.1-Diffusers
+    # (the model card's "17B")
+    "hunyuanvideo-community/HunyuanImage-2.1-Diffusers": 17_425_795_520,
+    # Kandinsky 5.0 T2V Lite: no exact published total found; the count of the shipped config (the released
+    # dit_params), which the model card's "2B" rounds
+    "kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers": 2_007_702_848,
 }
 
 # The per-sample cache layout (C, ...) each family's encoder writes for a clip of F frames × H × W pixels (documented in
@@ -185,7 +204,7 @@ def test_recipe_tokens_and_heads_suit_its_cp_degree(path: Path) -> None:
         tokens = get_family(model.family).tokens_per_sample(shapes, config)
         assert tokens == stated, f"bucket {bucket}: {tokens} tokens per sample, the header says {stated}"
         assert min(split_sizes(tokens, cp)) >= 1, f"{tokens} tokens cannot give each of {cp} CP ranks one"
-    heads = config["num_attention_heads"]
+    heads, _ = get_family(model.family).attention_shape(config)
     assert min(split_sizes(heads, cp)) >= 1, f"cp {cp} > {heads} heads: some CP ranks would attend over no head"
 
 

@@ -6,8 +6,11 @@ validated against the sweep's tiny instance by tests/test_cp_plans.py (every fil
 docs/plans.md names exactly the discovered classes and agrees with the plan files; a refusal file makes
 `enable_context_parallel` refuse with its reason; and two classes are rebuilt, drafted and checked at CP 2 and 3 in
 the shared gloo groups: Flux3 (no pipeline family; text-only blocks run before the joint blocks, which the drafter
-must not take for the sequence) must train exactly with a draft equal to its plan file, and Cosmos (its learnable
-positional embedding is added in forward()) must still fail the check, as its refusal file says.
+must not take for the sequence) and Kandinsky 6 (forward() reshapes the tokens to the video grid before its output
+layer: the draft gathers the last block and declares the replicated tail, whose gradient scaling makes it exact) must
+train exactly with a draft equal to their plan files, and NucleusMoE-Image (forward() builds its joint key mask
+inline and hands it to every block inside attention_kwargs, which no split reaches) must still fail the check, as its
+refusal file says.
 """
 
 from __future__ import annotations
@@ -21,7 +24,11 @@ from train.cp.plans import PLAN_DIR, load_plan_file, plan_for, resolve_plan
 from train.tools import sweep
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "plans.md"
-SAMPLE = {"Flux3Transformer2DModel": "exact", "CosmosTransformer3DModel": "unsupported"}
+SAMPLE = {
+    "Flux3Transformer2DModel": "exact",
+    "Kandinsky6Transformer3DModel": "exact",
+    "NucleusMoEImageTransformer2DModel": "unsupported",
+}
 
 
 def _table() -> dict[str, dict[str, str]]:
@@ -135,3 +142,4 @@ def test_sample_drafts_equal_their_plan_files(tmp_path) -> None:
         drafted = load_plan_file(path)
         assert resolve_plan(drafted, model) == resolve_plan(shipped, model), row.name
         assert drafted.local_attention == shipped.local_attention and drafted.joint_key_mask == shipped.joint_key_mask
+        assert drafted.replicated_tail == shipped.replicated_tail, row.name

@@ -150,7 +150,12 @@ IN_PROCESS = {  # family: (validation settings, the file written, the reference 
     "flux": ("height: 32, width: 48, guidance_scale: 2.0, save_tensors: true", "0.png", False),  # an image family
     # its joint text | image mask, and CFG with the empty negative prompt
     "chroma": ("height: 32, width: 48, guidance_scale: 2.0, save_tensors: true", "0.png", False),
+    # per-sample list inputs, the negated output, and CFG with the empty negative prompt
+    "zimage": ("height: 32, width: 48, guidance_scale: 2.0, save_tensors: true", "0.png", False),
     "wan_i2v": ("height: 32, width: 32, num_frames: 5, save_tensors: true", "0.mp4", True),  # conditioned on an image
+    # channels-last latents, its processor as tokenizer (the encoder's pipeline_components), CFG with its default
+    # negative prompt
+    "kandinsky5": ("height: 32, width: 32, num_frames: 5, save_tensors: true", "0.mp4", False),
 }
 PROMPT = "a green triangle"
 
@@ -195,7 +200,8 @@ def in_process(tmp_path_factory, tiny_pipeline):
         finally:
             dist.destroy_process_group()
         assert path == tmp / "run" / "samples" / "step_3" / written and model.training
-        pipe = getattr(diffusers, spec.pipeline_class).from_pretrained(pipeline)  # fresh, with its own transformer
+        components = get_encoder(family).pipeline_components(str(pipeline), None)  # as a user loads it (harness)
+        pipe = getattr(diffusers, spec.pipeline_class).from_pretrained(pipeline, **components)  # its own transformer
         if no_ftfy:  # diffusers 0.42.1's Wan I2V prompt_clean needs ftfy (not installed): wan_i2v/encoder.py
             from train.models.wan_i2v.encoder import skip_missing_ftfy
 
@@ -289,3 +295,18 @@ def test_recipe_mistakes_are_one_line_errors(tmp_path: Path) -> None:
     cut = load_recipe(REPO / "recipes/tiny/wan_i2v.yaml", [f"model.pretrained_path={tmp_path}", image])
     with pytest.raises(UserError, match="cut.png is not an image PIL can read"):
         check_validation(cut, get_family("wan_i2v"))
+
+
+def test_guidance_scale_the_pipeline_does_not_take_is_refused(tmp_path: Path) -> None:
+    """HunyuanImagePipeline takes no `guidance_scale` (its own guidance argument differs): one line before anything is
+    built, not a TypeError at the first sample."""
+    from train.config import load_recipe
+    from train.errors import UserError
+    from train.models import get_family
+    from train.validation import check_validation
+
+    sets = [f"model.pretrained_path={tmp_path}", "validation={prompts: [{prompt: a}], guidance_scale: 3.5}"]
+    recipe = load_recipe(REPO / "recipes/tiny/hunyuanimage.yaml", sets)
+    with pytest.raises(UserError, match="validation.guidance_scale: HunyuanImagePipeline takes no guidance_scale"):
+        check_validation(recipe, get_family("hunyuanimage"))
+    check_validation(load_recipe(REPO / TINY, sets), get_family("wan"))  # Wan's pipeline takes it

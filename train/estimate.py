@@ -152,9 +152,11 @@ def _linear_width(module: torch.nn.Module) -> int:
     return width
 
 
-def _inner_dim(config: Mapping[str, Any]) -> int:
-    """The width of the token stream (what a checkpointed block keeps per token): heads × head dim."""
-    return int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+def _heads_and_inner_dim(spec: Any, config: Mapping[str, Any]) -> tuple[int, int]:
+    """(attention heads, the width of the token stream: what a checkpointed block keeps per token, heads × head dim),
+    read from the config as the family names them (`FamilySpec.attention_shape`)."""
+    heads, head_dim = spec.attention_shape(config)
+    return heads, heads * head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +202,8 @@ def model_shape(recipe: Recipe) -> ModelShape:
                    for p in model.parameters())  # fmt: skip
     width = sum(_linear_width(b) for b in blocks) / max(len(blocks), 1)
     config = model.config
-    return ModelShape(params, len(blocks), width, _inner_dim(config), int(config["num_attention_heads"]))
+    heads, inner = _heads_and_inner_dim(spec, config)
+    return ModelShape(params, len(blocks), width, inner, heads)
 
 
 # ------------------------------------------------------------------------------------------------- tokens per sample
@@ -286,13 +289,13 @@ def calibration_status(family: str) -> str | None:
 
 
 def _scaled_shapes(instance: Mapping[str, Any], grid: int, text: int) -> dict[str, list[int]]:
-    """The instance's synthetic shapes with the latent grid's last axis × `grid` (and every tensor shaped like the
-    latents alike) and the text length × `text`."""
+    """The instance's synthetic shapes with the latent grid's last axis × `grid` (and every tensor on the latents'
+    grid alike, whatever its channels: Wan VACE's control latents) and the text length × `text`."""
     base = instance["shapes"]
     out = {}
     for key, shape in base.items():
         shape = list(shape)
-        if shape == base["latents"]:
+        if shape[1:] == base["latents"][1:]:
             shape[-1] *= grid
         elif key.startswith("prompt"):
             shape[0] *= text
@@ -468,7 +471,7 @@ def calibrate(family: str, log: Callable[[str], None] = print) -> dict[str, Any]
     apply_finetune(meta, FinetuneConfig(method="lora"), spec, "fp32")
     blocks = repeated_blocks(meta)
     width = sum(_linear_width(b) for b in blocks) / len(blocks)
-    inner, heads = _inner_dim(instance["config"]), int(instance["config"]["num_attention_heads"])
+    heads, inner = _heads_and_inner_dim(spec, instance["config"])
     fit: dict[str, Any] = {}
     for precision in ("fp32", "bf16"):
         for method in ("full", "lora"):

@@ -136,7 +136,7 @@ def load_transformer(cfg: ModelConfig, spec: FamilySpec, seed: int) -> torch.nn.
             if Path(cfg.pretrained_path).expanduser().is_dir():
                 raise
             raise _hub_error(cfg, e) from e
-    model.set_attention_backend(cfg.attention_backend)
+    spec.train_ready(model).set_attention_backend(cfg.attention_backend)
     return model.train()
 
 
@@ -158,7 +158,7 @@ def meta_transformer(cfg: ModelConfig, spec: FamilySpec) -> torch.nn.Module:
         keep = cls._keep_in_fp32_modules or []
         for name, p in model.named_parameters():
             p.data = p.data.to(torch.float32 if any(k in name for k in keep) else dtype)
-    model.set_attention_backend(cfg.attention_backend)
+    spec.train_ready(model).set_attention_backend(cfg.attention_backend)
     return model.train()
 
 

@@ -77,6 +77,9 @@ def check_validation(recipe: Recipe, spec: FamilySpec) -> None:
     takes = _call_parameters(spec)
     if v.negative_prompt is not None and "negative_prompt" not in takes:
         raise UserError(f"validation.negative_prompt: {spec.pipeline_class} takes no negative prompt; set it to null")
+    if v.guidance_scale is not None and "guidance_scale" not in takes:
+        raise UserError(f"validation.guidance_scale: {spec.pipeline_class} takes no guidance_scale (its own "
+                        "guidance argument differs); set it to null")  # fmt: skip
     wants = get_encoder(spec.name).validation_image
     for i, p in enumerate(v.prompts):
         key = f"validation.prompts[{i}].image"

@@ -24,7 +24,6 @@ from diffusers.hooks.context_parallel import (
     ContextParallelGatherHook,
     ContextParallelSplitHook,
     PartitionAnythingSharder,
-    _get_submodule_by_name,
 )
 from diffusers.hooks.hooks import HookRegistry
 from diffusers.models._modeling_parallel import ContextParallelOutput
@@ -36,6 +35,7 @@ from .comm import TorchTransport
 from .kernels import check as check_kernel
 from .plans import (
     CPPlanSpec,
+    _find_modules,
     load_plan_file,
     local_attention_processors,
     plan_for,
@@ -187,6 +187,13 @@ class _SplitHook(ContextParallelSplitHook):
                 suffix = f"[{i}]" if isinstance(spec, (list, tuple)) else ""
                 self.names[id(one)] = f"{path}:{key}{suffix}"
 
+    def post_forward(self, module: torch.nn.Module, output):
+        # A module that only splits inputs may return anything (a block returning (tokens, None)); diffusers' hook
+        # rejects any output that is not tensors, even when it splits none.
+        if not any(getattr(spec, "split_output", False) for spec in self.metadata.values()):
+            return output
+        return super().post_forward(module, output)
+
     def _prepare_cp_input(self, x: torch.Tensor, cp_input) -> torch.Tensor:
         if cp_input.expected_dims is not None and x.dim() != cp_input.expected_dims:
             return super()._prepare_cp_input(x, cp_input)  # diffusers warns and leaves x whole
@@ -204,25 +211,63 @@ class _GatherHook(ContextParallelGatherHook):
     def __init__(self, metadata, state: ContextParallelState) -> None:
         super().__init__(metadata, state.context_parallel_config)
         self.layout, self.transport = state.layout, state.transport
+        self.tail = state.plan.replicated_tail
 
     def post_forward(self, module: torch.nn.Module, output):
         is_tensor = isinstance(output, torch.Tensor)
         outputs = [output] if is_tensor else list(output)
-        if not all(isinstance(x, torch.Tensor) for x in outputs) or len(outputs) != len(self.metadata):
+        kept = (x for x, cpm in zip(outputs, self.metadata) if cpm is not None)  # null specs: left as they are
+        if not all(isinstance(x, torch.Tensor) for x in kept) or len(outputs) != len(self.metadata):
             raise ValueError(f"expected {len(self.metadata)} output tensor(s) to gather, got {type(output)}")
         group = self.parallel_config._flattened_mesh.get_group()
         for i, cpm in enumerate(self.metadata):
             if cpm is not None:
                 outputs[i] = GatherAnything.apply(outputs[i], cpm.gather_dim, group, self.layout, self.transport)
+                if self.tail:  # undoes the output's 1/CP for what came before the gather (_scale_output_grad)
+                    outputs[i] = ScaleGrad.apply(outputs[i], float(dist.get_world_size(group)))
         return outputs[0] if is_tensor else tuple(outputs)
+
+
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `factor`."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
+def _scale_output_grad(model: torch.nn.Module, state: ContextParallelState) -> None:
+    """A plan with a replicated tail: every rank runs the modules after the gather on the whole sequence, so each
+    holds their FULL gradient, which the SUM over CP ranks would count CP times. Dividing the model output's gradient
+    by the CP degree gives them 1/CP each; the gathers multiply theirs back, so what runs before a gather keeps its
+    share. Exact for any plan (scaling by 2 or 4 is exact in floating point; by 3, within a rounding)."""
+    cp = float(dist.get_world_size(state.cp_group))
+
+    def scale(tensor: Any) -> Any:
+        return ScaleGrad.apply(tensor, 1.0 / cp) if torch.is_tensor(tensor) and tensor.requires_grad else tensor
+
+    def hook(module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        if isinstance(output, dict):  # diffusers' BaseOutput (an OrderedDict dataclass)
+            for key in list(output.keys()):
+                output[key] = scale(output[key])
+            return output
+        return type(output)(scale(t) for t in output) if isinstance(output, tuple) else scale(output)
+
+    model.register_forward_hook(hook)
 
 
 def _apply_hooks(model: torch.nn.Module, state: ContextParallelState, plan: dict) -> None:
     """diffusers' `apply_context_parallel`, with the hooks above (same hook names, so `remove_context_parallel`
     still removes them)."""
     for module_id, entry in plan.items():
-        found = _get_submodule_by_name(model, module_id)
-        for m in found if isinstance(found, list) else [found]:
+        found, error = _find_modules(model, module_id)  # diffusers' lookup, plus `-1` (the last block)
+        assert error is None, (module_id, error)  # validate_plan checked
+        for _, m in found:
             if isinstance(entry, dict):
                 hook, name = (
                     _SplitHook(entry, state, module_id),
@@ -230,7 +275,7 @@ def _apply_hooks(model: torch.nn.Module, state: ContextParallelState, plan: dict
                 )
             else:
                 gathers = [entry] if isinstance(entry, ContextParallelOutput) else list(entry)
-                assert all(isinstance(g, ContextParallelOutput) for g in gathers), entry  # validate_plan checked
+                assert all(g is None or isinstance(g, ContextParallelOutput) for g in gathers), entry  # validated
                 hook, name = _GatherHook(gathers, state), _CONTEXT_PARALLEL_OUTPUT_HOOK_TEMPLATE.format(module_id)
             HookRegistry.check_if_exists_or_initialize(m).register_hook(hook, name)
 
@@ -302,4 +347,6 @@ def enable_context_parallel(
     # The plan, then the gathers of paths it also splits (diffusers' lookup expands their wildcards).
     _apply_hooks(model, state, spec.plan)
     _apply_hooks(model, state, spec.extra_gathers)
+    if spec.replicated_tail:
+        _scale_output_grad(model, state)
     return state

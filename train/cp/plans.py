@@ -15,6 +15,7 @@ touching model code:
     cp_processors: null                  # "module:function" called with the model before CP attaches (optional)
     joint_key_mask: []                   # a whole mask over a joint sequence: its segments, "<path>:<input>", in
                                          # model order (masks.py puts its keys in the ranks' order)
+    replicated_tail: false               # modules after the gather run on the whole sequence (see below)
     plan:
       rope:                              # a module path
         split_outputs:                   # output index -> spec (ContextParallelInput with split_output=True)
@@ -29,6 +30,11 @@ touching model code:
 else diffusers leaves it unsplit (with a warning). The file's schema is `PlanFile` below, checked by the engine that
 checks recipes (train/schema.py): unknown keys, wrong types and duplicate keys are errors, all reported together as
 `<file>: <dotted.key>: <problem>` (a PlanError, a UserError: train/errors.py).
+
+A ModuleList index of `-1` names its last element (`blocks.-1`), whatever the model's depth: where a model reshapes
+the tokens inline before its output layer, no module after the blocks outputs the sequence, so the plan gathers the
+last block's output and declares `replicated_tail: true` (the output layers then run on the whole sequence on every
+rank; `enable.py` scales gradients so that the SUM over CP ranks stays the serial gradient).
 
 A path may both split and gather (Helios does this around attn1/attn2/ffn; SkyReels-V2 around its output projection).
 A diffusers plan holds one value per key, so the gathers of such paths live in `CPPlanSpec.extra_gathers`;
@@ -102,6 +108,11 @@ class CPPlanSpec:
     # "<plan path>:<output index>"), in model order, each rank's keys being the same concatenation of its shards
     # (HunyuanVideo's [video | text] key mask): CP reorders its keys into the ranks' order (train/cp/masks.py).
     joint_key_mask: tuple[str, ...] = ()
+    # The modules after the plan's gathers run on the whole, replicated sequence (forward() reshapes the tokens before
+    # its output layer, so the last block's output is gathered): gathers multiply their backward by the CP degree and
+    # the model's output gradient is divided by it, so each rank holds 1/CP of those modules' gradients and a share
+    # of the others', and the SUM over CP ranks is the serial gradient.
+    replicated_tail: bool = False
 
     def diffusers_plan(self, model: torch.nn.Module) -> DiffusersPlan:
         """`plan` plus `extra_gathers` expanded to this model's concrete module paths: what to hand to diffusers."""
@@ -156,6 +167,8 @@ def _module_path(path: str) -> str:
         raise ValueError("at most one '*' wildcard per module path (a diffusers limit)")
     if path and any(atom == "" or ("*" in atom and atom != "*") for atom in path.split(".")):
         raise ValueError("malformed module path; use dotted attribute names, '*' as a whole segment")
+    if any(atom.startswith("-") and atom != "-1" for atom in path.split(".")):
+        raise ValueError("the only negative index is -1 (a ModuleList's last element)")
     return path
 
 
@@ -204,7 +217,15 @@ def _one_or_list(empty: str) -> Any:
 
 
 InputSpecs = _one_or_list("empty list; give one spec per element of the argument")
-GatherSpecs = _one_or_list("empty gather list; give one {dim, expected_dims} per module output")
+GatherSpecs = Annotated[
+    Annotated[Spec, Tag("spec")]
+    | Annotated[
+        list[Spec | None],
+        _non_empty("empty gather list; give one {dim, expected_dims} per module output"),
+        Tag("list of specs"),
+    ],
+    Discriminator(lambda v: "list of specs" if isinstance(v, list) else "spec"),
+]  # a list may hold null: that output is left as it is (a block that also returns its text)
 
 
 class PlanEntry(Section):
@@ -215,7 +236,7 @@ class PlanEntry(Section):
     split_outputs: Annotated[dict[OutputIndex, Spec], _non_empty("expected a non-empty mapping")] | None = None
     """Output index -> spec: the output is split after forward (ContextParallelInput with split_output=True)."""
     gather: GatherSpecs | None = None
-    """One spec, or a list with one spec per output of the module (ContextParallelOutput)."""
+    """One spec, or a list with one spec (or null: left as it is) per output of the module (ContextParallelOutput)."""
 
     @model_validator(mode="after")
     def _not_empty(self) -> PlanEntry:
@@ -236,7 +257,7 @@ class PlanEntry(Section):
 
     def gathers(self) -> GatherPlan | None:
         if isinstance(self.gather, list):
-            return [ContextParallelOutput(s.dim, s.expected_dims) for s in self.gather]
+            return [None if s is None else ContextParallelOutput(s.dim, s.expected_dims) for s in self.gather]
         return None if self.gather is None else ContextParallelOutput(self.gather.dim, self.gather.expected_dims)
 
 
@@ -263,6 +284,9 @@ class PlanFile(Section):
     """The split inputs ("<plan path>:<input>", or ":<output index>") a mask the forward builds whole over a joint
     sequence is made of, in model order (each rank's keys: the same concatenation of its shards); CP puts the mask's
     keys in the order ranks deliver them. Empty: such a mask is refused."""
+    replicated_tail: bool = False
+    """The modules after the gathers run on the whole sequence on every rank (the plan gathers the last block's
+    output where forward() reshapes the tokens before its output layer); CP scales gradients so that SUM stays exact."""
     plan: Annotated[dict[ModulePath, PlanEntry], _non_empty("expected a non-empty mapping of module path -> entry")]
     """Module path ("" = the model, one '*' = every element of a ModuleList) -> what is split or gathered there."""
 
@@ -303,6 +327,7 @@ class PlanFile(Section):
             local_attention=tuple(self.local_attention),
             cp_processors=self.cp_processors,
             joint_key_mask=tuple(self.joint_key_mask),
+            replicated_tail=self.replicated_tail,
         )
 
 
@@ -396,6 +421,9 @@ def _find_modules(model: torch.nn.Module, path: str) -> tuple[list[tuple[str, to
                 if not isinstance(module, torch.nn.ModuleList):
                     return [], f"'*' needs a ModuleList, but {where} is a {type(module).__name__}"
                 step.extend((f"{prefix}.{i}" if prefix else str(i), _unwrap(m)) for i, m in enumerate(module))
+            elif atom == "-1" and isinstance(module, torch.nn.ModuleList) and len(module):
+                # The last block, at any depth: the concrete path names its index.
+                step.append((f"{prefix}.{len(module) - 1}" if prefix else str(len(module) - 1), _unwrap(module[-1])))
             else:
                 # `_modules`, not getattr: a parameter or a config attribute of the same name is not a hook target.
                 child = module._modules.get(atom)
@@ -538,7 +566,9 @@ def validate_plan(spec: CPPlanSpec, model: torch.nn.Module) -> None:
             gathers = _as_gather_tuple(value)
             if gathers is not None and not gathers:
                 problems.append(f"plan path {path!r}: empty gather list")
-            elif gathers is not None and not all(isinstance(g, ContextParallelOutput) for g in gathers):
+            elif gathers is not None and not any(isinstance(g, ContextParallelOutput) for g in gathers):
+                problems.append(f"plan path {path!r}: a gather list needs at least one spec")
+            elif gathers is not None and not all(g is None or isinstance(g, ContextParallelOutput) for g in gathers):
                 problems.append(f"plan path {path!r}: gathers must be ContextParallelOutput, got {value!r}")
 
     for path in spec.local_attention:
@@ -584,6 +614,13 @@ def _inside_repeated_block(model: torch.nn.Module, path: str) -> str | None:
     return None
 
 
+def _is_last_block(model: torch.nn.Module, path: str) -> bool:
+    """`path` is the last element of a ModuleList (a block itself, not a module inside one)."""
+    parent, _, index = path.rpartition(".")
+    found, error = _find_modules(model, parent) if parent else ([("", model)], None)
+    return error is None and isinstance(found[0][1], torch.nn.ModuleList) and index == str(len(found[0][1]) - 1)
+
+
 def _few(paths: list[str], limit: int = 3) -> str:
     shown = ", ".join(paths[:limit])
     return shown if len(paths) <= limit else f"{shown}, ... ({len(paths)} modules)"
@@ -596,6 +633,7 @@ def training_problems(spec: CPPlanSpec, model: torch.nn.Module) -> list[str]:
     one output gathered at the end: each parameter's gradient is then the SUM over ranks of their shard's share.
     Gathering inside a repeated block makes the sequence replicated again between sub-layers of every block, so part
     of the compute runs on all ranks and the per-parameter gradients are neither the SUM nor the MEAN over ranks.
+    The one exception is the last block's output under `replicated_tail` (the stream ends there).
     """
     problems: list[str] = []
     if not spec.training_supported:
@@ -605,6 +643,8 @@ def training_problems(spec: CPPlanSpec, model: torch.nn.Module) -> list[str]:
     inside: dict[str, list[str]] = {}  # gathering plan key -> concrete modules inside repeated blocks
     both: dict[tuple[tuple[str, ...], tuple[str, ...]], list[str]] = {}
     for concrete, entry in resolved.items():
+        if entry.gather and spec.replicated_tail and _is_last_block(model, concrete):
+            continue  # the stream's end: what follows runs replicated, with its gradients scaled (enable.py)
         if entry.gather and _inside_repeated_block(model, concrete) is not None:
             for source in entry.gather_sources:
                 inside.setdefault(source, []).append(concrete)

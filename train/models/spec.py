@@ -102,13 +102,19 @@ def output_tensors(out: Any) -> tuple[torch.Tensor, ...]:
         out = out.to_tuple()
     if isinstance(out, torch.Tensor):
         return (out,)
-    return tuple(out)
+    # a list of per-sample tensors (Z-Image's output) counts as its tensors
+    return tuple(t for o in out for t in (o if isinstance(o, (list, tuple)) else [o]))
 
 
 def first_output(out: Any, latents_shapes: Shapes, *, model_config: Config) -> dict[str, torch.Tensor]:
     """The default ``unpack_output``: the first output tensor is the primary stream's prediction, in the cached layout
     already (the transformer unpatchifies it itself: Wan, HunyuanVideo)."""
     return {PRIMARY_STREAM: output_tensors(out)[0]}
+
+
+def config_attention_shape(config: Config) -> tuple[int, int]:
+    """(attention heads, head dim) from diffusers' usual config keys ``num_attention_heads``, ``attention_head_dim``."""
+    return int(config["num_attention_heads"]), int(config["attention_head_dim"])
 
 
 def sigma_identity(sigmas: torch.Tensor) -> torch.Tensor:
@@ -319,6 +325,13 @@ class FamilySpec:
     # (diffusion forcing: SkyReels-V2 DF). Per-frame sigmas reach build_inputs as per-element timesteps (B, 1, F, 1, 1)
     # and weight the loss per element. Only families whose transformer takes a per-frame timestep set another value.
     frame_sigmas: Literal["shared", "independent", "non_decreasing"] = "shared"
+    # The transformer config -> (attention heads, head dim) of its token stream (the estimator's width, the heads CP
+    # splits). Default: diffusers' usual keys; Z-Image names them n_heads and dim.
+    attention_shape: Callable[[Config], tuple[int, int]] = config_attention_shape
+    # A change the family trains its transformer with, applied to every transformer built or loaded for training (the
+    # trainer's loading, the serial oracle's and the tiny builders: train_ready), before its attention backend and CP
+    # are set: Kandinsky 5's float32-RoPE attention processor. None: the transformer as diffusers builds it.
+    prepare_transformer: Callable[[torch.nn.Module], None] | None = None
 
     def __post_init__(self) -> None:
         if self.latent_kind not in ("image", "video"):
@@ -390,6 +403,12 @@ class FamilySpec:
             unpack_output=functools.partial(_unpack_first_tokens, self.unpack_output, self.patch),
             **changes,
         )
+
+    def train_ready(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` with the family's :attr:`prepare_transformer` applied (in place); returns it."""
+        if self.prepare_transformer is not None:
+            self.prepare_transformer(model)
+        return model
 
     # Forward / output --------------------------------------------------------------------------------------------
 

@@ -65,6 +65,7 @@ class Draft:
     layout_registry: bool = True
     local_attention: list[str] = field(default_factory=list)
     joint_key_mask: list[str] = field(default_factory=list)  # a whole joint mask's segments (train/cp/masks.py)
+    replicated_tail: bool = False  # the last block's output is gathered: what follows runs on every rank
     order: dict[str, float] = field(default_factory=dict)  # plan path -> when its module ran (entries in that order)
 
     def add(self, path: str, kind: str, key: Any, dim: int, ndim: int) -> None:
@@ -105,6 +106,8 @@ class Draft:
             lines += ["local_attention:", *[f"  - {p}" for p in self.local_attention]]
         if self.joint_key_mask:
             lines += ["joint_key_mask:", *[f'  - "{p}"' for p in self.joint_key_mask]]
+        if self.replicated_tail:
+            lines += ["replicated_tail: true"]
         lines += ["plan:"]
         for path, entry in sorted(self.plan.items(), key=lambda item: self.order.get(item[0], 0)):
             lines.append(f"  {_key(path)}:")
@@ -113,7 +116,13 @@ class Draft:
                     lines.append(f"    {kind}:")
                     lines += [f"      {k}: {_flow(s)}" for k, s in entry[kind].items()]
             if "gather" in entry:
-                lines.append(f"    gather: {_flow(entry['gather'])}")
+                gather = entry["gather"]
+                flow = (
+                    f"[{', '.join(_flow(g) if g else 'null' for g in gather)}]"
+                    if isinstance(gather, list)
+                    else _flow(gather)
+                )
+                lines.append(f"    gather: {flow}")
         return "\n".join(lines) + "\n"
 
 
@@ -168,6 +177,8 @@ def draft(source: ModelSource, seed: int = 0) -> Draft:
     # Entries print in the order their modules ran; a `<blocks>.*` entry right after block 0's own entry.
     for path in out.plan:
         concrete = path.replace("*", "0")
+        if path.endswith(".-1"):  # the last block of that list
+            concrete = max((b for b in seen.blocks if b.rpartition(".")[0] == path[:-3]), key=lambda b: calls[b].end)
         out.order[path] = calls[concrete].start + (0.5 if "*" in path else 0) if concrete in calls else 0
     return out
 
@@ -433,7 +444,7 @@ def rule_gather_output(out: Draft, seen: _Trace) -> None:
     tail = [c for c in seen.calls.values() if c.path and not _is_inside(c.path, blocks) and c.start > seen.last_end]
     tail = [c for c in tail if any(torch.is_tensor(o) and _token_dim(o, {seq: "token"}) == 1 for o in c.outputs)]
     if not tail:
-        out.notes.append("no module after the blocks outputs the token sequence: add a gather by hand")
+        _gather_last_block(out, seen)
         return
     last = max(tail, key=lambda c: c.end)
     o = last.outputs
@@ -466,6 +477,35 @@ def rule_gather_output(out: Draft, seen: _Trace) -> None:
                     f"{more}: gather the sequence so the loss sees the whole prediction"))  # fmt: skip
 
 
+def _gather_last_block(out: Draft, seen: _Trace) -> None:
+    """No module after the blocks outputs the S tokens (forward() reshapes them before its output layer): gather the
+    last block's token output (``<blocks>.-1``, any depth) and declare the replicated tail, so the output layers run
+    on the whole sequence on every rank with their gradients scaled to stay a SUM (train/cp/enable.py)."""
+    last = max((seen.calls[p] for p in seen.blocks), key=lambda c: c.end)
+    dims = [_token_dim(o, {seen.seq: "token"}) if torch.is_tensor(o) else None for o in last.outputs]
+    if dims.count(1) != 1:
+        out.notes.append(f"no module after the blocks outputs the token sequence and {last.path} returns "
+                         f"{len(dims)} outputs: add a gather by hand")  # fmt: skip
+        return
+    path = f"{last.path.rpartition('.')[0]}.-1"
+    specs = [{"dim": 1, "expected_dims": o.dim()} if d == 1 else None for o, d in zip(last.outputs, dims)]
+    out.plan.setdefault(path, {})["gather"] = specs[0] if len(specs) == 1 else specs
+    out.replicated_tail = True
+    out.why.append((f"{path} gather", f"{_shape(last.outputs[dims.index(1)])}: no module after the blocks outputs the "
+                    f"{seen.seq} tokens (forward() reshapes them first): gather the last block's output; the "
+                    "modules after it run on the whole sequence on every rank (replicated_tail)"))  # fmt: skip
+
+
+def _onto_other_tokens(call: Call, seq: int, text_len: int | None) -> bool:
+    """Cross-attention: its keys come from a (B, L, C) input that is not the S tokens (``encoder_hidden_states``
+    of the text length, or a context under another name: Stable Audio 3's ``context``)."""
+    kv = call.inputs.get("encoder_hidden_states")
+    if torch.is_tensor(kv):
+        return kv.shape[1] == text_len if text_len is not None else kv.shape[1] != seq
+    tensors = [t for t in call.inputs.values() if torch.is_tensor(t) and t.dim() == 3]
+    return len(tensors) >= 2 and tensors[0].shape[1] == seq and any(t.shape[1] != seq for t in tensors[1:])
+
+
 def rule_local_attention(out: Draft, seen: _Trace) -> None:
     """Rule 5, which attention runs locally. Cross-attention onto whole text: a processor that still hands it its
     parallel config would all-to-all every rank's identical copy of the text through Ulysses, so such attention runs
@@ -475,9 +515,8 @@ def rule_local_attention(out: Draft, seen: _Trace) -> None:
     first, blocks, text_len = seen.first, seen.blocks, seen.text_len
     local = set()
     for call in seen.calls.values():
-        kv = call.inputs.get("encoder_hidden_states")
-        if (_is_attention(call.module) and not seen.joint and torch.is_tensor(kv)
-                and kv.shape[1] == text_len and _is_inside(call.path, blocks) and _attends_with_cp(call)):  # fmt: skip
+        if (_is_attention(call.module) and not seen.joint and _onto_other_tokens(call, seen.seq, text_len)
+                and _is_inside(call.path, blocks) and _attends_with_cp(call)):  # fmt: skip
             block = next(b for b in blocks if call.path.startswith(b + "."))
             local.add(f"{seen.list_path}.*{call.path[len(block) :]}")
     for call in seen.calls.values():

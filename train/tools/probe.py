@@ -131,6 +131,7 @@ class ModelSource:
     family: str | None
     inputs_fn: InputsFn | None  # --inputs; None: the family's inputs
     shrunk: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # config key -> (was, now)
+    prepare: Callable[[torch.nn.Module], None] | None = None  # applied to every built model (a check-only swap)
 
     @property
     def class_name(self) -> str:
@@ -142,9 +143,12 @@ class ModelSource:
             torch.manual_seed(seed)
             model = self.cls(**self.config)
         init_weights(model, seed)
+        if self.prepare is not None:
+            self.prepare(model)
         if self.family is not None:
-            from train.models import family_module
+            from train.models import family_module, get_family
 
+            get_family(self.family).train_ready(model)  # what the family trains with (Kandinsky 5's float32 RoPE)
             unused = getattr(family_module(self.family), "unused_params", None)
             frozen = [re.compile(p) for p in (unused(model.config) if unused else ())]
             for name, param in model.named_parameters():

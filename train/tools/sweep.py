@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from train.models import FAMILIES
 from train.tools import sweep_data
 from train.tools.probe import ModelSource
 
@@ -192,7 +193,15 @@ def tiny_source(name: str) -> ModelSource:
         fn = functools.partial(_guard_inputs, guard)
         return ModelSource(name, model_class(name), tiny_models.tiny_config(guard), None, fn)
     cls = model_class(name)
-    return ModelSource(name, cls, derive_config(cls), None, functools.partial(synth_inputs, name))
+    return ModelSource(name, cls, derive_config(cls), None, functools.partial(synth_inputs, name),
+                       prepare=CHECK_PREPARE.get(name))  # fmt: skip
+
+
+# Class -> a change to the built tiny model that the check needs and the plan does not (its docstring says why): the
+# change a family trains its transformer with (FamilySpec.prepare_transformer: Kandinsky 5's float32-RoPE processor).
+CHECK_PREPARE: dict[str, Any] = {
+    s.transformer_class: s.prepare_transformer for s in FAMILIES.values() if s.prepare_transformer is not None
+}
 
 
 def _guard_inputs(guard: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -273,11 +282,16 @@ def _from_spec(spec: Any, gen: torch.Generator) -> Any:
         return pos.expand(*shape).clone()
     if kind == "false":
         return torch.zeros(shape, dtype=torch.bool)
+    if kind == "runs":  # a bool row of runs along the last dim, the same in every sample: [[length, value], ...]
+        row = torch.cat([torch.full((SIZES[n] if isinstance(n, str) else n,), bool(v)) for n, v in spec["runs"]])
+        return row.expand(*shape[:-1], row.numel()).clone()
     if kind == "bool_mask":
         return _text_mask().bool()
     if kind == "timestep":
         return (torch.rand(shape, generator=gen) * 0.8 + 0.1) * spec.get("scale", 1000.0)
     out = torch.randn(shape, generator=gen)
+    if kind == "masked_list":  # one (L_i, C) tensor per sample: its kept text tokens (the padded text mask's)
+        return [o[m] for o, m in zip(out, _text_mask().bool())]
     return [o for o in out] if spec.get("list") else out
 
 
@@ -399,7 +413,8 @@ def prepare(names: Sequence[str]) -> list[Row]:
             row.source = tiny_source(name)
             row.layout, error = find_layout(row.source)
             if row.layout is None:
-                row.reason = f"no tiny forward ran: {error}"
+                why = sweep_data.REASONS.get(name)  # the hand-written reason, where the cause is known
+                row.reason = f"no tiny forward ran: {why or error}"
                 continue
             row.heads, row.blocks = _shape_summary(row.source.build(0))
             row.draft_text = draft(row.source).yaml(f"python -m train.tools.sweep {name}")
@@ -485,6 +500,8 @@ def check_rows(rows: list[Row], folder: Path, degrees: Sequence[int] = (2, 3)) -
             plan = folder / plan_file_name(row.name)
             plan.write_text(row.draft_text)
         row.needed = _needed(load_plan_file(plan))
+        if row.name in CHECK_PREPARE:
+            row.needed += "; checked " + inspect.getdoc(CHECK_PREPARE[row.name]).splitlines()[0]
         if shipped is not None and not shipped.training_supported:
             row.verdict, row.reason = "unsupported", " ".join(shipped.reason.split())
             continue
@@ -527,7 +544,11 @@ def write_files(rows: list[Row], plan_dir: Path) -> list[Path]:
         if row.plan_file or row.verdict not in ("exact", "unsupported"):
             continue
         path = plan_dir / plan_file_name(row.name)
-        path.write_text(row.draft_text if row.verdict == "exact" else refusal_text(row))
+        text = row.draft_text if row.verdict == "exact" else refusal_text(row)
+        if row.name in CHECK_PREPARE:  # what the check changed in the model, and why
+            doc = " ".join(inspect.getdoc(CHECK_PREPARE[row.name]).split())
+            text = "".join(f"# {line}\n" for line in _wrap_words("Checked " + doc, 116)) + "#\n" + text
+        path.write_text(text)
         row.plan_file = str(path.relative_to(REPO))
         written.append(path)
     return written
@@ -542,8 +563,8 @@ def table(rows: list[Row]) -> str:
     lines = [
         f"{len(rows)} classes dispatch attention in diffusers {_diffusers_version()}: {counts['exact']} train "
         f"exactly at CP 2 and 3, {counts['unsupported']} are refused with a reason, {counts['not swept']} were not "
-        "swept (no tiny forward: the reason is given). Gradient errors: the largest relative error of any parameter "
-        "group vs serial (tolerance 1e-4).",
+        "swept (no tiny forward: the reason is given). Gradient errors vs serial: the largest of any parameter group "
+        "(its largest difference over its largest serial gradient; tolerance 1e-4).",
         "",
         "| class | reaches dispatch | tiny heads / blocks | verdict | grad err CP 2 | grad err CP 3 | plan file | "
         "what the plan needed / why not |",

@@ -8,8 +8,10 @@ wrong. Nothing here is code: a class is a key, its values are plain data.
   section of an odd layout, a list of block indices that must fit the tiny block count).
 * ``INPUTS``: class -> forward-argument values or shapes set after the synthesis. A value is a tensor spec
   ``{"shape": [...], "kind": "randn" | "ones" | "ids" | "timestep" | "fill" | "positions" | "arange" |
-  "aranges"}`` (``fill``: every entry ``"value"``; ``positions``: token i has position i on every axis of the last
-  dim; ``arange``: 0..n-1; ``aranges``: a tuple of one arange per size) with sizes written as the names in
+  "aranges" | "runs" | "masked_list"}`` (``fill``: every entry ``"value"``; ``positions``: token i has position i on
+  every axis of the last dim; ``arange``: 0..n-1; ``aranges``: a tuple of one arange per size; ``runs``: a bool row
+  of ``[[length, value], ...]`` runs; ``masked_list``: one (L_i, C) tensor per sample, its padded text dropped) with
+  sizes written as the names in
   :data:`train.tools.sweep.SIZES` (``"B"``, ``"L"``, ...) or integers; or a plain value (int, tuple, None).
 * ``LAYOUT``: class -> which hidden_states layout the forward takes, when trying the candidates in order would pick
   a wrong one that happens to run.
@@ -22,8 +24,15 @@ from __future__ import annotations
 from typing import Any
 
 CONFIG: dict[str, dict[str, Any]] = {
-    # Its padding-mask path resizes with torchvision (not installed); the mask is optional input.
-    "CosmosTransformer3DModel": {"concat_padding_mask": False},
+    # Cosmos Predict 2.5: 16 latent channels + the condition-mask channel forward() concatenates, no learnable
+    # position embedding, the text projected by crossattn_proj. Its padding-mask path resizes with torchvision (not
+    # installed); the padding mask is one more input channel, split with the tokens like the others.
+    "CosmosTransformer3DModel": {
+        "concat_padding_mask": False,
+        "in_channels": 17,
+        "extra_pos_embed_type": None,
+        "use_crossattn_projection": True,
+    },
     # A UNet-style 2-D transformer: continuous inputs need in_channels (default None); groups must divide them.
     "DreamLiteTransformer2DModel": {"in_channels": 8, "norm_num_groups": 4, "cross_attention_dim": 24},
     # The text tower's width must split into its heads (5 x 8).
@@ -36,9 +45,39 @@ CONFIG: dict[str, dict[str, Any]] = {
     "Ideogram4Transformer2DModel": {"mrope_section": [4, 2, 2]},
     # Block indices that take the control stream: must exist in the 2-block tiny model.
     "WanVACETransformer3DModel": {"vace_layers": [0, 1], "vace_in_channels": 8},
+    # HunyuanImage 2.1's second text encoder (ByT5 glyph text): a width turns on its context_embedder_2.
+    "HunyuanImageTransformer2DModel": {"text_embed_2_dim": 32},
+    # Bria-Fibo 2: the one cross-attention (injection) block must exist in the 2-block tiny model; the gist-token
+    # schedule cut by 64 like the text lengths it maps (256..512 gist tokens, in steps of 64, for 256..2048 text
+    # tokens): the 11- and 8-token prompts both get 6 gist tokens, so the main sequence is 6 + 35 = 41 tokens.
+    "BriaFibo2Transformer2DModel": {
+        "injection_layer_ids": [1],
+        "min_num_gist_tokens": 4,
+        "max_num_gist_tokens": 8,
+        "gist_step": 2,
+        "gist_min_text_len": 4,
+        "gist_max_text_len": 32,
+    },
+    # Wan Animate's face path at a tiny size: the motion encoder takes 8 x 8 face crops (its conv pyramid needs a
+    # channel width per power of two down to 4), small motion and face-encoder widths, the CLIP image width; a face
+    # adapter after every second block, so the 2-block tiny model has one (after block 0), as the real one has one
+    # after blocks 0, 5, ..., 35 of 40.
+    "WanAnimateTransformer3DModel": {
+        "image_dim": 32,
+        "motion_encoder_size": 8,
+        "motion_encoder_channel_sizes": {"4": 16, "8": 16},
+        "motion_style_dim": 32,
+        "motion_dim": 8,
+        "motion_encoder_dim": 32,
+        "face_encoder_hidden_dim": 32,
+        "inject_face_latents_blocks": 2,
+    },
 }
 
 INPUTS: dict[str, dict[str, Any]] = {
+    # ZImagePipeline hands the transformer one caption tensor per prompt, its padding dropped
+    # (`prompt_embeds[i][prompt_masks[i]]`): captions of different lengths, which the unified sequence pads and masks.
+    "ZImageTransformer2DModel": {"cap_feats": {"shape": ["B", "L", 24], "kind": "masked_list"}},
     # Frame-major latents (B, F, C, H, W).
     "AnyFlowTransformer3DModel": {
         "hidden_states": {"shape": ["B", "F", 16, 2, 14]},
@@ -66,13 +105,21 @@ INPUTS: dict[str, dict[str, Any]] = {
     },
     # One hidden-state tensor per text-encoder layer the model mixes in.
     "BriaFiboTransformer2DModel": {"text_encoder_layers": {"shape": [4, "B", "L", 24], "list": True}},
+    # BriaFibo2Pipeline's call: the text features as bundles (B, 1 + len(injection_layer_ids), L, C) (the Perceiver's
+    # first, then one per injection block), the text mask boolean, the noise level in [0, 1].
+    "BriaFibo2Transformer2DModel": {
+        "encoder_hidden_states": {"shape": ["B", 2, "L", 24]},
+        "encoder_attention_mask": {"shape": ["B", "L"], "kind": "bool_mask"},
+        "timestep": {"shape": ["B"], "kind": "timestep", "scale": 1.0},
+    },
     # Channels-last video latents (B, F, H, W, C); its masks are boolean (the processor hands them to SDPA as they are).
     "Kandinsky6Transformer3DModel": {
         "hidden_states": {"shape": ["B", "F", 2, 14, 33]},  # latents, condition latents and their mask: 16 + 16 + 1
         "encoder_attention_mask": {"shape": ["B", "L"], "kind": "bool_mask"},
     },
     # Channels-last video latents (B, F, H, W, C): the low-resolution latents, the noisy ones and a mask, 64 + 64 + 1.
-    "Kandinsky6SRTransformer3DModel": {"hidden_states": {"shape": ["B", "F", 1, 7, 129]}},
+    # NABLA sparse attention groups 8 x 8 tiles of tokens, so the token grid is one 8 x 8 frame (64 tokens).
+    "Kandinsky6SRTransformer3DModel": {"hidden_states": {"shape": ["B", 1, 8, 8, 129]}},
     # Channels-last video latents (B, F, H, W, C); RoPE position indices per axis of the patched grid, and per text
     # token.
     "Kandinsky5Transformer3DModel": {
@@ -112,10 +159,50 @@ INPUTS: dict[str, dict[str, Any]] = {
         "timestep_r": {"shape": ["B"], "kind": "timestep"},
         "context_latents": {"shape": ["B", "S", 128]},
     },
-    # Which VLM tokens are image slots: none in a text-only prompt.
-    "QwenImage21Transformer2DModel": {"img_mask": {"shape": ["B", "L"], "kind": "false"}},
+    # QwenImage21Pipeline's text-to-image call: packed latents (B, h * w, 64) of a (1, 4, 8) latent grid (the
+    # transformer takes them unpatched; each VLM image slot stands for 2 x 2 latent tokens, so h * w is a multiple of
+    # 4), img_mask over the VLM sequence with the pipeline's appended target slots (11 text tokens, then 32 / 4 = 8
+    # slots: the joint sequence is 11 + 32 = 43 tokens), the timestep in [0, 1] (t / 1000). img_mask needs a bool
+    # row of runs ([length, value] each: the `runs` kind, which sweep._from_spec does not have yet).
+    "QwenImage21Transformer2DModel": {
+        "hidden_states": {"shape": ["B", 32, 64]},
+        "img_shapes": [[(1, 4, 8)], [(1, 4, 8)]],
+        "img_mask": {"shape": ["B", 19], "kind": "runs", "runs": [["L", False], [8, True]]},
+        "timestep": {"shape": ["B"], "kind": "timestep", "scale": 1.0},
+    },
     # The control latents (B, vace_in_channels, F, H, W).
     "WanVACETransformer3DModel": {"control_hidden_states": {"shape": ["B", 8, "F", 2, 14]}},
+    # Cosmos Predict 2.5 as its pipeline calls it: latents and the condition mask (B, 1, F, H, W) apart, and one
+    # timestep (sigma) per latent frame (B, 1, F, 1, 1), which forward() expands to a per-token modulation.
+    "CosmosTransformer3DModel": {
+        "hidden_states": {"shape": ["B", 16, "F", 2, 14]},
+        "condition_mask": {"shape": ["B", 1, "F", 2, 14]},
+        "timestep": {"shape": ["B", 1, "F", 1, 1], "kind": "timestep", "scale": 1.0},
+    },
+    # PRX's text padding mask is named attention_mask (B, L_txt); the pipeline passes it.
+    "PRXTransformer2DModel": {"attention_mask": {"shape": ["B", "L"], "kind": "bool_mask"}},
+    # HunyuanImage 2.1's ByT5 text and its padded mask: forward() reorders the two texts (kept tokens first) into one
+    # text sequence and its key mask before the blocks.
+    "HunyuanImageTransformer2DModel": {
+        "encoder_hidden_states_2": {"shape": ["B", "L", 32]},
+        "encoder_attention_mask_2": {"shape": ["B", "L"], "kind": "bool_mask"},
+    },
+    # SANA-WM as its pipeline calls it: one timestep per latent frame (B, 1, T) (LTX style), the text with a singleton
+    # dim (B, 1, L, C).
+    "SanaWMTransformer3DModel": {
+        "timestep": {"shape": ["B", 1, "F"], "kind": "timestep"},
+        "encoder_hidden_states": {"shape": ["B", 1, "L", 24]},
+    },
+    # WanAnimatePipeline's call: hidden_states are the noisy latents and the reference latents (mask + reference
+    # image + previous-segment frames) on channels, 16 + 20 = 36, over F = T + 1 frames (the reference frame first);
+    # the pose latents (B, 16, T, H, W) cover the T frames after it; the face video in pixels, 4 (T - 1) + 1 = 13
+    # frames of 8 x 8 crops, which the face encoder's two stride-2 convs bring to T frames (+ 1 zero frame = F, one
+    # motion frame per latent frame); CLIP features of the reference image (B, tokens, image_dim).
+    "WanAnimateTransformer3DModel": {
+        "pose_hidden_states": {"shape": ["B", 16, 4, 2, 14]},
+        "face_pixel_values": {"shape": ["B", 3, 13, 8, 8]},
+        "encoder_hidden_states_image": {"shape": ["B", 4, 32]},
+    },
 }
 
 LAYOUT: dict[str, str] = {
@@ -138,16 +225,54 @@ REASONS: dict[str, str] = {
     "AnyFlowFARTransformer3DModel": "its attention is FlexAttention with a chunk-causal block mask over the frames, "
     "and torch runs no FlexAttention backward on CPU: the serial training step of the check fails before any CP "
     "(NotImplementedError), so the plan cannot be verified here; refused until it is checked on a GPU",
-    "DreamLiteTransformer2DModel": "forward() reshapes the blocks' output to an image grid before its Conv2d proj_out, "
-    "so no module after the blocks outputs the token sequence: a gather at the last block is a gather inside a "
-    "repeated block, and leaves proj_out replicated (its gradient CP x too large)",
+    "DreamLiteTransformer2DModel": "every block adds a sinusoidal position embedding (its pos_embed, "
+    "SinusoidalPositionalEmbedding) to its tokens by their index in the tensor it receives: a rank's shard gets "
+    "positions 0 .. S/CP instead of its own (measured: the first block's output differs, rel 0.5); the core has no "
+    "offset-aware position embedding. (Its output tail, a reshape to the image grid before a Conv2d proj_out, is "
+    "what replicated_tail serves.)",
+    "NucleusMoEImageTransformer2DModel": "its attention's keys are [image | text] built inside the processor, and "
+    "forward() builds the joint key mask [ones(local image) | whole text mask] inline and hands it to every block "
+    "inside attention_kwargs, which no split reaches: with the text whole (the draft's local attention) each rank "
+    "attends to its own image shard only (measured: proj_out gather differs, rel 3e-1); with the text split per block "
+    "the mask's columns do not match the keys. And its MoE layers route by expert choice (each expert takes its "
+    "top-capacity tokens over the whole sequence), which a sequence shard cannot reproduce",
     "Ideogram4Transformer2DModel": "forward() builds a pairwise (B, 1, S, S) attention mask from segment_ids over "
     "the packed sequence and hands it to every block: a split along one dim cannot serve a mask with a query and a key "
     "dim, and the draft left it whole, so the ranks disagreed on a collective's sizes (gloo aborted a rank)",
-    "MiniMaxMusic3Transformer1DModel": "forward() prepends a time token to the sequence and slices it off between the "
-    "last block and proj_out: gathering the last block's output leaves proj_out replicated (measured: its gradient "
-    "CP x too large), and the core has no split form for 'the sequence less its first token' to split proj_out's "
-    "input again",
+    "Kandinsky6SRTransformer3DModel": "its video self-attention is NABLA sparse attention: a flex BlockMask the "
+    "processor picks per call from the pooled queries and keys of the whole sequence (a cumulative-attention "
+    "threshold over 8 x 8 token tiles, plus a sliding-tile window), and torch runs no FlexAttention backward on CPU: "
+    "the serial training step of the check fails before any CP (NotImplementedError), so no plan can be verified "
+    "here; refused until it is checked on a GPU",
+    "QwenImage21Transformer2DModel": "its attention is block-causal over the joint [text | image] sequence (text "
+    "causal, each image block bidirectional, the target image over every key): the default processor slices the "
+    "queries and keys into those segments by their positions in the whole sequence before it dispatches, which on a "
+    "rank's shard are other tokens (measured with the pipeline's inputs: the split norm_k is used whole, and the "
+    "layout check finds four 11-token attention calls the splits do not explain); the flex processor's BlockMask has "
+    "no CPU backward. It needs a CP processor that runs the all-to-all (sequence to heads) before the segment loop "
+    "and back after it",
+    "WanAnimate2Transformer3DModel": "a training forward is two passes sharing a KV cache object: an 'extract' pass "
+    "over the reference video fills a WanAnimate2KVCache, and each denoising pass ('cached') attends over the "
+    "generation tokens and the cached reference keys through a flex BlockMask (torch runs no FlexAttention backward "
+    "on CPU); neither the cache object nor the two-pass step is a forward input the sweep can give",
+    "Cosmos3OmniTransformer": "one packed, unbatched joint sequence of text, vision, sound and action tokens placed "
+    "by index tensors, with a causal understanding prefix (is_causal=True, which the CP attention kernels refuse) "
+    "next to the bidirectional generation pathway and grouped-query attention; the class carries its own CP seams "
+    "(_cp_shard_fn / _cp_gather_fn and a CP attention processor outside the model), and its ten required index "
+    "inputs have no spec here",
+    "MiniMaxMusic3RVQDepthDecoder": "not a sequence to split: a causal language model over the residual RVQ "
+    "codebooks within one audio frame (at most max_position_embeddings = 16 steps, absolute positions by index), "
+    "with causal attention, which the CP attention kernels refuse; its forward() takes only inputs_embeds (no "
+    "return_dict), so the sweep's call fails before any check",
+    "RFD4ProteinaTransformer": "pair-biased attention: a (B, N, N, C) pair representation biases every attention's "
+    "logits and is updated between layers by triangular multiplications over both token dims, which a split of one "
+    "token dim cannot serve (as Ideogram 4's pairwise mask); its topology features come as a dict of tensors "
+    "(conditioning, with is_in_context_conditioning required), which has no spec here",
+    "SanaWMTransformer3DModel": "its blocks read the tokens as a (frames, tokens per frame) grid: per-frame "
+    "modulation reshapes them to (B, T, -1, C) (the first block fails on a shard: its tokens are not whole frames), "
+    "the self-attention is a chunked bidirectional Gated DeltaNet recurrence over the frames (a softmax attention "
+    "every 4th block; neither calls dispatch_attention_fn, only the text cross-attention does), and the feed-forward "
+    "(GLUMBConvTemp) convolves over the (T, H, W) grid: a sequence shard is not a grid",
     "SanaVideoTransformer3DModel": "every block's feed-forward (GLUMBConv) reshapes the tokens to the (frames, height, "
     "width) grid from forward()'s sizes and convolves over it: a sequence shard is not a grid (a halo exchange the "
     "core does not have)",

@@ -249,6 +249,8 @@ def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) ->
         torch.manual_seed(seed)
         model = model_class(name)(**config)
     init_weights(model, seed)
+    if name in FAMILY_NAMES:
+        get_family(name).train_ready(model)  # what the family trains with (Kandinsky 5's float32 RoPE)
     frozen = [re.compile(p) for p in frozen_params(name, model.config)]
     for param_name, param in model.named_parameters():
         if any(p.fullmatch(param_name) for p in frozen):
@@ -291,7 +293,10 @@ def token_counts(name: str) -> dict[str, int]:
         return _guard_token_counts(name)
     case = family_case(name)
     media = case.spec.tokens_per_sample({s: x[1:] for s, x in case.shapes.items()}, tiny_config(name))
-    return {case.spec.latent_kind: media, "text": int(case.kwargs["encoder_hidden_states"].shape[1])}
+    text = case.kwargs.get("encoder_hidden_states")
+    # Z-Image takes one caption per sample, its padding dropped: the longest kept caption
+    count = text.shape[1] if torch.is_tensor(text) else int(case.batch["prompt_mask"].sum(-1).max())
+    return {case.spec.latent_kind: media, "text": int(count)}
 
 
 # Outputs and loss -----------------------------------------------------------------------------------------------------
@@ -306,6 +311,7 @@ def output_tensors(name: str, out: Any) -> list[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         out = (out,)
     n = len(get_family(name).streams) if name in FAMILY_NAMES else {"helios": 1, "ltx2": 2}[name]
+    out = tuple(torch.stack(o) if isinstance(o, list) else o for o in out)  # Z-Image: one tensor per sample
     tensors = list(out[:n])
     if len(tensors) != n or not all(isinstance(t, torch.Tensor) for t in tensors):
         raise TypeError(f"{name}: expected {n} output tensor(s), got {type(out)}")

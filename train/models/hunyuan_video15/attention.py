@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from diffusers.models.attention_dispatch import dispatch_attention_fn  # a module global, as the stock processor's
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 
 
@@ -23,7 +24,6 @@ class HunyuanVideo15KeyMaskAttnProcessor(HunyuanVideo15AttnProcessor2_0):
     replaces = HunyuanVideo15AttnProcessor2_0
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
         from diffusers.models.embeddings import apply_rotary_emb
 
         query = attn.to_q(hidden_states).unflatten(2, (attn.heads, -1))
