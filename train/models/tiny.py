@@ -110,6 +110,26 @@ def decoder_sizes(tokenizer: Any, hidden_size: int, num_hidden_layers: int, **si
     }
 
 
+def byt5_glyph_encoder(tokenizer: Any, d_model: int):
+    """A tiny T5 encoder for a ByT5 tokenizer: the glyph text encoder of HunyuanVideo 1.5 and HunyuanImage 2.1."""
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer),
+            d_model=d_model,
+            d_kv=4,
+            d_ff=24,
+            num_layers=2,
+            num_heads=3,
+            relative_attention_num_buckets=8,
+            feed_forward_proj="gated-gelu",
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )  # fmt: skip
+    )
+
+
 def qwen25_rope() -> dict[str, Any]:
     """The multimodal rope of the tiny Qwen2.5-VL text models (3 sections over a head dim of 8), a fresh dict (the
     config keeps it)."""

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from train.models import tiny_config
-from train.models.tiny import decoder_sizes, qwen25_rope, qwen_tokenizer
+from train.models.tiny import byt5_glyph_encoder, decoder_sizes, qwen25_rope, qwen_tokenizer
 
 # Qwen2.5-VL's chat template, as HunyuanVideo15Pipeline uses it (a system and a user message, text content only).
 CHAT_TEMPLATE = (
@@ -33,7 +33,7 @@ def tiny_components() -> dict[str, Any]:
         FlowMatchEulerDiscreteScheduler,
         HunyuanVideo15Transformer3DModel,
     )
-    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
     from train.models.hunyuan_video15.spec import SCHEDULER_CONFIG
 
@@ -46,20 +46,7 @@ def tiny_components() -> dict[str, Any]:
     qwen = Qwen2_5_VLTextModel(
         Qwen2_5_VLTextConfig(**sizes, bos_token_id=end, eos_token_id=end, pad_token_id=tok.pad_token_id)
     )
-    byt5 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(byt5_tok),
-            d_model=cfg["text_embed_2_dim"],
-            d_kv=4,
-            d_ff=24,
-            num_layers=2,
-            num_heads=3,
-            relative_attention_num_buckets=8,
-            feed_forward_proj="gated-gelu",
-            pad_token_id=byt5_tok.pad_token_id,
-            eos_token_id=byt5_tok.eos_token_id,
-        )
-    )
+    byt5 = byt5_glyph_encoder(byt5_tok, cfg["text_embed_2_dim"])
     vae = AutoencoderKLHunyuanVideo15(
         latent_channels=cfg["out_channels"],
         block_out_channels=(8, 8, 8, 8, 8),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from train.data.media import Geometry
 from train.models.encoder import FamilyEncoder
+from train.models.hunyuan_video15.encoder import HunyuanVideo15Encoder
 
 
 class HunyuanImageEncoder(FamilyEncoder):
@@ -22,16 +23,8 @@ class HunyuanImageEncoder(FamilyEncoder):
         patch_h, _ = self.spec.patch.of(tr_config)
         return vae_config["spatial_compression_ratio"] * patch_h, 1, 0
 
-    def encode_text(self, caption, max_tokens):
-        pipe = self.pipe
-        pipe.tokenizer_max_length = max_tokens  # encode_prompt pads (and truncates) the Qwen text to this length
-        embeds, mask, embeds_2, mask_2 = pipe.encode_prompt(prompt=[caption], device=self.device)
-        return {
-            "prompt_embeds": embeds[0],
-            "prompt_mask": mask[0].bool(),
-            "byt5_embeds": embeds_2[0],
-            "byt5_mask": mask_2[0].bool(),
-        }
+    # encode_prompt returns the same four tensors as HunyuanVideo 1.5's (Qwen text and mask, ByT5 glyphs and mask)
+    encode_text = HunyuanVideo15Encoder.encode_text
 
     def encode_media(self, pixels, generator, mode, fps):
         # HunyuanImagePipeline decodes `latents / vae.config.scaling_factor` (no shift)

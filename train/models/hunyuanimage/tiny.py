@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from train.models import tiny_config
-from train.models.tiny import byte_bpe_vocab, decoder_sizes, qwen25_rope
+from train.models.tiny import byt5_glyph_encoder, byte_bpe_vocab, decoder_sizes, qwen25_rope
 
 QWEN_SPECIALS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 
@@ -48,7 +48,7 @@ def tiny_components() -> dict[str, Any]:
         FlowMatchEulerDiscreteScheduler,
         HunyuanImageTransformer2DModel,
     )
-    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
     from train.models.hunyuanimage.spec import SCHEDULER_CONFIG
 
@@ -60,20 +60,7 @@ def tiny_components() -> dict[str, Any]:
     qwen = Qwen2_5_VLTextModel(
         Qwen2_5_VLTextConfig(**sizes, bos_token_id=end, eos_token_id=end, pad_token_id=tok.pad_token_id)
     )
-    byt5 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(byt5_tok),
-            d_model=cfg["text_embed_2_dim"],
-            d_kv=4,
-            d_ff=24,
-            num_layers=2,
-            num_heads=3,
-            relative_attention_num_buckets=8,
-            feed_forward_proj="gated-gelu",
-            pad_token_id=byt5_tok.pad_token_id,
-            eos_token_id=byt5_tok.eos_token_id,
-        )
-    )
+    byt5 = byt5_glyph_encoder(byt5_tok, cfg["text_embed_2_dim"])
     vae = AutoencoderKLHunyuanImage(
         in_channels=3,
         out_channels=3,
