@@ -639,7 +639,7 @@ def _assert_kwargs_equal(ours: dict[str, Any], theirs: dict[str, Any], name: str
     assert set(ours) <= set(theirs), f"{name}: the pipeline passes no {sorted(set(ours) - set(theirs))}"
     for key, value in ours.items():
         got = theirs[key]
-        if isinstance(value, list):  # per-sample tensors (Z-Image)
+        if isinstance(value, list) and value and all(torch.is_tensor(v) for v in value):  # per-sample (Z-Image)
             assert isinstance(got, list) and len(got) == len(value), (name, key, got)
             for i, (v, g) in enumerate(zip(value, got)):
                 assert torch.is_tensor(g) and v.dtype == g.dtype, (key, i, v.dtype, g)
