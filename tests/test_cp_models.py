@@ -41,7 +41,7 @@ TOL = {"float32": 2e-5, "float64": 1e-10}
 OUT_TOL = {"float32": 1e-5, "float64": 1e-10}  # absolute: outputs are O(1)
 # Wan's norms and modulation call `.float()`: an fp64 Wan-based model computes partly in fp32.
 _WAN_CLASSES = {"WanTransformer3DModel", "ChronoEditTransformer3DModel", "SkyReelsV2Transformer3DModel",
-                "WanVACETransformer3DModel"}  # fmt: skip
+                "WanVACETransformer3DModel", "WanAnimateTransformer3DModel"}  # fmt: skip
 # Cosmos' cross-attention attends the whole text from each rank's queries, and diffusers' RMSNorm (its norm_k) takes
 # the variance in fp32: each rank's partial key gradient is rounded to fp32 before the CP sum (fp64: 2e-8).
 # Z-Image's replicated refiners likewise (their norm_k, and RoPE in fp32) once CP 3+ spreads the image tokens.
@@ -85,20 +85,30 @@ class C10dCounter(TorchDispatchMode):
 @contextlib.contextmanager
 def _cp_attention_calls():
     """Counts the attention calls diffusers routes into context parallelism (`_templated_context_parallel_attention`,
-    looked up at call time by every CP-capable backend), whichever of our attention classes then serves them."""
+    looked up at call time by every CP-capable backend), whichever of our attention classes then serves them, and the
+    head-sharded whole-sequence attentions of family processors (train/cp/whole.py: its Q/K/V all-to-all node)."""
     from diffusers.models import attention_dispatch
 
+    from train.cp.a2a import SeqToHeads
+
     original, calls = attention_dispatch._templated_context_parallel_attention, [0]
+    apply = SeqToHeads.apply
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return original(*args, **kwargs)
 
+    def counted_apply(*args, **kwargs):
+        calls[0] += 1
+        return apply(*args, **kwargs)
+
     attention_dispatch._templated_context_parallel_attention = counted
+    SeqToHeads.apply = counted_apply
     try:
         yield calls
     finally:
         attention_dispatch._templated_context_parallel_attention = original
+        SeqToHeads.apply = apply
 
 
 def _serial(family: str, dtype: torch.dtype):

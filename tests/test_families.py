@@ -35,7 +35,7 @@ from diffusers.utils.torch_utils import randn_tensor
 import train.models
 from train import objective
 from train.cp.plans import plan_for
-from train.data.dataset import collate
+from train.data.dataset import collate, pad_text
 from train.models import (
     FAMILIES,
     FamilyEncoder,
@@ -459,6 +459,39 @@ def _drive_wan_vace(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep
     return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)}, {"latents": final})
 
 
+def _drive_wan_animate(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    """WanAnimatePipeline in animation mode, one segment of the clip's frames, given a reference image of another
+    shape (it letterboxes it), a pose video and a face video of another size (it resizes the face frames to the
+    motion encoder's): the cache holds the family encoder's conditioning of the same media; the noise covers the
+    reference frame and the clip's T latent frames."""
+    from PIL import Image
+
+    b, c, f, h, w = BATCH, tiny_config("wan_animate")["out_channels"], 2, 2, 4  # 5 frames: 2 latent frames + 1
+    pipe = diffusers.WanAnimatePipeline.from_pretrained(path)
+    s, t = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
+    frames, gen = (f - 1) * t + 1, _gen(3)
+    image = torch.randint(0, 256, (3, 24, 24), generator=gen, dtype=torch.uint8)
+    pose = torch.randint(0, 256, (frames, 3, h * s, w * s), generator=gen, dtype=torch.uint8)
+    face = torch.randint(0, 256, (frames, 3, 24, 20), generator=gen, dtype=torch.uint8)
+    pil = lambda x: Image.fromarray(x.permute(1, 2, 0).numpy())  # noqa: E731
+    encoder = get_encoder("wan_animate")
+    encoder.load(str(path))
+    media = encoder.conditioning(pil(image), pose, face)
+    del media["reference_frame"]  # the clean value of the noised frame 0, not a conditioning input
+    batch = _cached_text("wan_animate", path, b, **media)
+    step = _one_step(pipe, monkeypatch)
+    noisy = torch.randn(b, c, f + 1, h, w, generator=_gen(SEED))
+    final = pipe(image=pil(image), pose_video=[pil(x) for x in pose], face_video=[pil(x) for x in face],
+                 prompt_embeds=batch["prompt_embeds"], latents=noisy, height=h * s, width=w * s,
+                 segment_frame_length=frames, guidance_scale=1.0, num_inference_steps=1,
+                 output_type="latent").frames  # fmt: skip
+    # its "latent" output is what it decodes: the denoised latents un-normalised (z * std + mean); normalised again
+    vae = pipe.vae.config
+    mean, std = (torch.tensor(v).view(1, c, 1, 1, 1) for v in (vae.latents_mean, vae.latents_std))
+    final = (final - mean) / std
+    return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)}, {"latents": final})
+
+
 def _drive_skyreels_v2(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
     """SkyReelsV2DiffusionForcingPipeline, asynchronous (ar_step=1, one frame per block), stopped after its first
     transformer call: frame 0 at the step's timestep, the later frames at generate_timestep_matrix's not-started 999,
@@ -603,6 +636,58 @@ def _drive_kandinsky5(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineSt
     noisy = randn_tensor((b, f, h, w, c), generator=_gen(SEED)).permute(0, 4, 1, 2, 3)  # prepare_latents' draw
     sigmas, final = _sigma(pipe.scheduler, b), final.permute(0, 4, 1, 2, 3)
     return step.result(batch, {"latents": noisy}, {"latents": sigmas}, {"latents": final})
+
+
+def _drive_kandinsky5_i2v(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    """Kandinsky5I2VPipeline given an 8-bit image and two captions of one token length: it draws the noise
+    channels-last, then encodes the image into latent frame 0 (sampling its posterior with the same generator: the
+    cache samples it with the generator in that state), appends the zero condition and the first-frame mask, passes one
+    timestep for all frames and steps frames 1.. only. The cache is the family encoder's, of a clip whose frame 0 is
+    that image. Its decode-time normalize_first_frame (a statistics fix of the first 4 latent frames) is off: the
+    result is the step's own latents."""
+    from PIL import Image
+
+    captions = ("a red square", "a red circle")
+    encoder = get_encoder("kandinsky5_i2v")
+    encoder.load(str(path))
+    pipe = diffusers.Kandinsky5I2VPipeline.from_pretrained(path, **encoder.pipeline_components(str(path), None))
+    b, c, f, h, w = _recipe_latents("kandinsky5_i2v")
+    s, t = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
+    image = torch.randint(0, 256, (3, h * s, w * s), generator=_gen(3), dtype=torch.uint8)
+    clip = torch.rand(3, (f - 1) * t + 1, h * s, w * s, generator=_gen(4)) * 2 - 1
+    clip[:, 0] = image / 127.5 - 1  # the input image is frame 0
+    generator = _gen(SEED)
+    noise = randn_tensor((b, f, h, w, c), generator=generator)  # prepare_latents' draw, then its image's posterior
+    latents = encoder.encode_media(clip, generator, "sample", None)["latents"]
+    batch = collate([{**encoder.encode_text(x, encoder.text_tokens(None)), "latents": latents} for x in captions])
+    assert batch["prompt_mask"].all()  # one length: nothing padded
+    step = _one_step(pipe, monkeypatch)
+    monkeypatch.setattr(pipe, "normalize_first_frame", lambda latents: latents)
+    final = pipe(image=Image.fromarray(image.permute(1, 2, 0).numpy()), prompt=list(captions), height=h * s,
+                 width=w * s, num_frames=(f - 1) * t + 1, guidance_scale=1.0, num_inference_steps=1,
+                 generator=_gen(SEED), output_type="latent").frames  # fmt: skip
+    noisy = noise.permute(0, 4, 1, 2, 3).clone()
+    noisy[:, :, 0] = batch["latents"][:, :, 0]  # the clean first frame
+    sigmas, final = _sigma(pipe.scheduler, b), final.permute(0, 4, 1, 2, 3)
+    return step.result(batch, {"latents": noisy}, {"latents": sigmas}, {"latents": final})
+
+
+def _drive_qwenimage21(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    """QwenImage21Pipeline given the captions themselves (it templates and encodes them and pads the batch to its
+    longest prompt), without its prefix KV cache (every step runs the whole joint sequence, as training does); the
+    cache holds the family encoder's text of the same captions padded beyond that, as a cache whose longest caption is
+    longer pads them (the spec trims them back). The prediction is the last H*W tokens of the joint output."""
+    encoder = get_encoder("qwenimage21")
+    encoder.load(str(path))
+    items = [encoder.encode_text(c, encoder.text_tokens(None)) for c in CAPTIONS[:BATCH]]
+    batch = collate([pad_text(it, max(len(i["prompt_embeds"]) for i in items) + 3) for it in items])
+    pipe = diffusers.QwenImage21Pipeline.from_pretrained(path, **encoder.pipeline_components(str(path), None))
+    step, (b, c, _, h, w), s = _one_step(pipe, monkeypatch), _recipe_latents("qwenimage21"), pipe.vae_scale_factor
+    final = pipe(prompt=list(CAPTIONS[:b]), height=h * s, width=w * s, num_inference_steps=1, use_kv_cache=False,
+                 generator=_gen(SEED), output_type="latent").images  # fmt: skip
+    noisy = randn_tensor((b, 1, c, h, w), generator=_gen(SEED)).permute(0, 2, 1, 3, 4)  # drawn (B, 1, C, H, W)
+    final = pipe._unpack_latents(final, h * s, w * s, s)  # packed (B, H*W, C) -> (B, C, 1, H, W), as it decodes
+    return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)}, {"latents": final})
 
 
 def _drive_minimax_h3(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:

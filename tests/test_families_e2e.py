@@ -24,7 +24,8 @@ serial export's (1e-5 relative each), and step 1's loss and grad_norm the fp64 s
 Clip sizes come from the family's own size rules (its encoder's `geometry`, read from the tiny pipeline's configs):
 the smallest valid frame count from 5 up, sides of 32 x 48 (`SIDES` where that is too few tokens for the run's CP
 degree) rounded up to the spatial multiple; families that denoise an audio stream get clips with a soundtrack, editing
-families a reference image per item.
+families a reference image per item, families with named conditioning media (Wan Animate's pose and face videos) a
+clip of each per item.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ LAUNCH: dict[str, tuple[int, tuple[str, ...]]] = {
     "wan22_i2v": (3, ("parallel.cp=3",)),
     # no text mask, one text length per batch: batch 1 × 2 micro-batches (as MiniMax-H3), at CP 3
     "kandinsky5": (3, ("parallel.cp=3", "train.batch_size=1", "train.grad_accum=2")),
+    # its image-to-video variant: the clean first latent frame (no noise, no loss), at the default CP 2
+    "kandinsky5_i2v": (2, ("parallel.cp=2", "train.batch_size=1", "train.grad_accum=2")),
     # Cosmos Predict 2.5: per-frame timestep, clean conditioning frames, its attn1 processor swap
     "cosmos": (3, ("parallel.cp=3",)),
     # Wan VACE: the control stream split beside the tokens (its hand plan), through the trainer at CP 3
@@ -70,6 +73,10 @@ LAUNCH: dict[str, tuple[int, tuple[str, ...]]] = {
     "zimage": (3, ("parallel.cp=3",)),
     # HunyuanImage 2.1: padded Qwen and ByT5 text packed by forward(), the joint key mask, its refiner replicated
     "hunyuanimage": (3, ("parallel.cp=3",)),
+    # Qwen-Image 2.1: the block-causal joint [text | image] sequence (its CP processor), text trimmed per batch
+    "qwenimage21": (3, ("parallel.cp=3",)),
+    # Wan Animate: the reference frame, pose latents and the face video (motion encoder, face adapters per frame)
+    "wan_animate": (3, ("parallel.cp=3",)),
 }
 # clip sides (before rounding up to the spatial multiple) where 32 x 48 gives fewer image tokens than the run's CP
 # degree: HunyuanImage's x32 VAE makes 32 x 64 one latent row of 2 tokens; 64 x 96 gives 2 x 3
@@ -123,7 +130,7 @@ def _prepare(family: str, pipeline: Path, root: Path) -> Path:
     media = root / "media"
     make_media_set(media, num_videos=3 if video else 1, num_images=0 if video else 2, frames=max(frames, 9),
                    height=height, width=width, fps=fps, audio=sound,
-                   references=encoder.needs_reference)  # fmt: skip
+                   references=encoder.needs_reference, conditions=encoder.condition_media)  # fmt: skip
     _vary_captions(media)
     recipe = {
         "model": {"family": family, "pretrained_path": str(pipeline), "dtype": "float32"},

@@ -25,6 +25,17 @@ Kandinsky 5 T2V (`kandinsky5`): (10) the cache's unpadded Qwen2.5-VL rows and po
 Kandinsky5T2VPipeline.encode_prompt's for prompts of different lengths, the template crop keeping exactly the caption;
 (11) the family's float32-RoPE processor is the stock one less its bfloat16 rounding (bit-identical under bf16), and
 it is what makes CP exact: with the stock processor CP 2 is off by bfloat16 steps.
+Qwen-Image 2.1 (`qwenimage21`): (12) each caption's cache is QwenImage21Pipeline.encode_prompt's rows of it in a batch
+of prompts of different lengths (the template's system turn dropped, the user turn kept), and the trainer's forward
+kwargs of the collated cache, padded further as a cache pads it, are the batch's encode_prompt output exactly.
+Wan Animate (`wan_animate`): (13) train.prepare's cache of media folder items (clip, reference image, pose and face
+videos, a renamed column) is what WanAnimatePipeline hands its transformer for the same files in its first segment, the
+latents' first frame the reference image's; items without a pose video, or with an unreadable face video, are bad
+(the test_families.py driver runs the encoder's conditioning through one pipeline step).
+Kandinsky 5 I2V (`kandinsky5_i2v`): (14) the cache's latent frame 0 is Kandinsky5I2VPipeline.prepare_latents' image
+latents of the clip's first frame (encoded alone, posterior sampled as the pipeline samples it), not the clip's own
+latent frame 0; training keeps it clean and out of the loss; the I2V text is the T2V pipeline's (the test_families.py
+driver checks the condition channels, the shared timestep and the frames-1.. step against the pipeline).
 """
 
 from __future__ import annotations
@@ -438,3 +449,155 @@ def test_kandinsky5_cp_is_exact_only_with_the_float32_rope(group) -> None:
     for ours, stock in group(_kandinsky5_cp_with_the_stock_processor, 2):
         print(f"\nkandinsky5 CP 2 gradient error: {ours:.1e} with the float32-RoPE processor, {stock:.1e} stock")
         assert ours <= 2e-5 < 1e-4 < stock, (ours, stock)  # tests/test_cp_models.py's fp32 tolerance: 2e-5
+
+
+# (12) Qwen-Image 2.1: the cache is the pipeline's encode_prompt -------------------------------------------------------
+
+
+@torch.no_grad()
+def test_qwenimage21_cache_is_the_pipelines_encode_prompt(tiny_pipeline) -> None:
+    """Each caption's cache (its own Qwen3-VL rows, an all-true mask) equals QwenImage21Pipeline.encode_prompt of the
+    captions as one batch, which pads them to the longest: each sample's first rows, which its mask marks; the rows
+    are the user turn (the pipeline drops the system turn), the empty caption (caption dropout's) included. Collated
+    and padded beyond the longest (a cache whose longest caption is longer), the spec's forward kwargs carry the
+    batch's encode_prompt text and int64 mask exactly."""
+    from train.data.dataset import collate, pad_text
+    from train.models import tiny_config
+
+    path = tiny_pipeline("qwenimage21")
+    encoder = get_encoder("qwenimage21")
+    encoder.load(str(path))
+    captions = ["a red square", "a blue circle moving up on a white background", ""]
+    cached = [encoder.encode_text(c, encoder.text_tokens(None)) for c in captions]
+    pipe = diffusers.QwenImage21Pipeline.from_pretrained(path, **encoder.pipeline_components(str(path), None))
+    embeds, mask, image_pad_mask = pipe.encode_prompt(captions, device="cpu")
+    lengths = mask.sum(1).tolist()
+    assert len(set(lengths)) == 3 and embeds.shape[1] == max(lengths) and not image_pad_mask.any()
+    for i, item in enumerate(cached):
+        assert item["prompt_embeds"].shape[0] == lengths[i] and item["prompt_mask"].all()
+        torch.testing.assert_close(item["prompt_embeds"], embeds[i, : lengths[i]], rtol=1e-5, atol=1e-5)
+    tokenizer = pipe.processor.tokenizer
+    for caption, n in zip(captions, lengths):
+        kept = tokenizer(pipe.prompt_template_t2i.format(caption or " "))["input_ids"][pipe._drop_idx :]
+        assert len(kept) == n
+        assert tokenizer.decode(kept) == f"<|im_start|>user\n{caption or ' '}<|im_end|>\n<|im_start|>assistant\n"
+    batch = collate([pad_text(item, max(lengths) + 5) for item in cached])
+    noisy = torch.zeros(3, 4, 1, 2, 4)
+    kwargs = get_family("qwenimage21").forward_kwargs(batch, {"latents": noisy}, torch.full((3,), 0.5),
+                                                      model_config=tiny_config("qwenimage21"))  # fmt: skip
+    torch.testing.assert_close(kwargs["encoder_hidden_states"], embeds, rtol=1e-5, atol=1e-5)
+    assert torch.equal(kwargs["encoder_hidden_states_mask"], mask)
+
+
+# (13) Wan Animate: the prepared cache is the pipeline's first segment -------------------------------------------------
+
+
+def _frames(video: Path) -> list:
+    """A video file's frames as PIL images, decoded by PyAV: what a user hands the pipeline."""
+    import av
+
+    with av.open(str(video)) as container:
+        return [frame.to_image() for frame in container.decode(video=0)]
+
+
+@torch.no_grad()
+def test_wan_animate_cache_is_the_pipelines_first_segment(tiny_pipeline, tmp_path: Path, monkeypatch) -> None:
+    import json
+
+    import pytest
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    from train.config import recipe_from_dict
+    from train.data.dataset import sample_path
+    from train.data.synthetic_media import make_media_set
+    from train.prepare import PrepareError, prepare
+
+    path, media = tiny_pipeline("wan_animate"), tmp_path / "media"
+    rows = make_media_set(media, num_videos=4, frames=9, height=32, width=48, references=True,
+                          conditions=("pose_video", "face_video"))  # fmt: skip
+    for row in rows:
+        row["pose"] = row.pop("pose_video")  # read through data.condition_columns
+    del rows[2]["pose"]
+    (media / rows[3]["face_video"]).write_bytes(b"not a video")
+    (media / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = {
+        "model": {"family": "wan_animate", "pretrained_path": str(path), "dtype": "float32"},
+        "data": {"source": str(media), "cache_dir": str(tmp_path / "cache"), "height": 32, "width": 48,
+                 "num_frames": 9, "condition_columns": {"pose_video": "pose"}, "max_bad_fraction": 0.5},
+    }  # fmt: skip
+    with pytest.raises(PrepareError, match="reads no"):  # a name the family does not read
+        prepare(recipe_from_dict({**recipe, "data": {**recipe["data"], "condition_columns": {"pose": "pose"}}}))
+    manifest = prepare(recipe_from_dict(recipe), log=lambda _: None)
+    assert manifest["counts"]["ok"] == 2
+    assert manifest["counts"]["bad_by_reason"] == {"no_condition": 1, "bad_condition": 1}
+
+    cached = load_file(sample_path(tmp_path / "cache", 0))
+    pipe = diffusers.WanAnimatePipeline.from_pretrained(path)
+    seen = []
+    original = pipe.transformer.forward
+    monkeypatch.setattr(pipe.transformer, "forward", lambda **kw: seen.append(kw) or original(**kw))
+    pipe(image=Image.open(media / rows[0]["reference"]).convert("RGB"), pose_video=_frames(media / rows[0]["pose"]),
+         face_video=_frames(media / rows[0]["face_video"]), prompt_embeds=cached["prompt_embeds"][None], height=32,
+         width=48, segment_frame_length=9, guidance_scale=1.0, num_inference_steps=1, output_type="latent")  # fmt: skip
+    (kwargs,) = seen
+    c = cached["latents"].shape[0]
+    # 9 frames: 3 latent frames after the reference frame, of 32 x 48 pixels / 8
+    assert cached["latents"].shape == (c, 4, 4, 6) and kwargs["hidden_states"].shape == (1, 2 * c + 4, 4, 4, 6)
+    theirs = {"reference_latents": kwargs["hidden_states"][0, c:], "pose_latents": kwargs["pose_hidden_states"][0],
+              "face_pixels": kwargs["face_pixel_values"][0], "image_embeds": kwargs["encoder_hidden_states_image"][0],
+              "reference frame": kwargs["hidden_states"][0, c + 4 :, :1]}  # fmt: skip
+    ours = {**{k: cached[k] for k in theirs if k in cached}, "reference frame": cached["latents"][:, :1]}
+    for key, value in theirs.items():
+        torch.testing.assert_close(ours[key], value, rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
+
+
+# (14) Kandinsky 5 I2V: the cache's frame 0 is the pipeline's image latents; the text is T2V's -------------------------
+
+
+@torch.no_grad()
+def test_kandinsky5_i2v_cache_is_the_pipelines_image_condition(tiny_pipeline) -> None:
+    """The cache's latent frame 0 is what Kandinsky5I2VPipeline.prepare_latents writes there for the clip's first frame
+    given as the 8-bit image a user passes (its posterior sampled with the generator in the state the pipeline samples
+    it in: after its noise draw), and not the clip's own latent frame 0 (the VAE's GroupNorms pool over time: the T2V
+    encoding's frame 0 depends on the later frames); frames 1.. are the T2V encoding of the clip. Training leaves that
+    frame clean and out of the loss. The I2V pipeline's text is the T2V pipeline's for the same components."""
+    from PIL import Image
+
+    from train.models.kandinsky5.encoder import Kandinsky5Encoder
+    from train.step import Objective, prepare
+
+    path = tiny_pipeline("kandinsky5_i2v")
+    encoder = get_encoder("kandinsky5_i2v")
+    encoder.load(str(path))
+    frames, height, width = 9, 32, 48  # 3 latent frames of 4 x 6
+    clip = torch.rand(3, frames, height, width, generator=torch.Generator().manual_seed(7)) * 2 - 1
+    pixels = ((clip[:, 0].permute(1, 2, 0) + 1) * 127.5).round().byte()
+    clip[:, 0] = pixels.permute(2, 0, 1) / 127.5 - 1  # an 8-bit frame 0: the image the pipeline is given
+    pipe = diffusers.Kandinsky5I2VPipeline.from_pretrained(path, **encoder.pipeline_components(str(path), None))
+    c = pipe.transformer.config.in_visual_dim
+    prepared = pipe.prepare_latents(Image.fromarray(pixels.numpy()), 1, c, height, width, frames, torch.float32, "cpu",
+                                    torch.Generator().manual_seed(0))  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    torch.randn(prepared[..., :c].shape, generator=generator)  # the pipeline's noise draw comes first
+    cached = encoder.encode_media(clip, generator, "sample", None)["latents"]
+    image = prepared[0, 0, ..., :c].permute(2, 0, 1)  # (C, H, W) of the channels-last frame 0
+    torch.testing.assert_close(cached[:, 0], image, rtol=1e-5, atol=1e-5)
+    own = Kandinsky5Encoder.encode_media(encoder, clip, None, "mode", None)["latents"]  # the T2V encoding
+    torch.testing.assert_close(encoder.encode_media(clip, None, "mode", None)["latents"][:, 1:], own[:, 1:])
+    assert (own[:, 0] - cached[:, 0]).abs().max() > 0.05 * image.abs().max()  # frame 0 alone is another latent
+    # training: frame 0 stays the cached image latents, no loss there
+    caption = encoder.encode_text("a red square", encoder.text_tokens(None))
+    batch = {"latents": cached[None], **{k: v[None] for k, v in caption.items()}}
+    step = prepare(get_family("kandinsky5_i2v"), batch, Objective(), torch.Generator().manual_seed(1),
+                   model_config=pipe.transformer.config)  # fmt: skip
+    assert torch.equal(step.noisy["latents"][:, :, 0], batch["latents"][:, :, 0])
+    assert step.condition.flatten().tolist() == [1.0, 0.0, 0.0]
+    assert not torch.equal(step.noisy["latents"][:, :, 1:], batch["latents"][:, :, 1:])
+    # the text: the T2V pipeline's encode_prompt on the same components (one template, one crop)
+    t2v = diffusers.Kandinsky5T2VPipeline(**pipe.components)
+    assert t2v.prompt_template == pipe.prompt_template
+    assert t2v.prompt_template_encode_start_idx == pipe.prompt_template_encode_start_idx
+    qwen, pooled, _ = t2v.encode_prompt(["a red square"], max_sequence_length=512, device="cpu")
+    torch.testing.assert_close(caption["prompt_embeds"], qwen[0], rtol=0, atol=0)
+    torch.testing.assert_close(caption["pooled_embeds"], pooled[0], rtol=0, atol=0)

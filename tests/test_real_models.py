@@ -101,6 +101,16 @@ PUBLISHED_PARAMS = {
     # Kandinsky 5.0 T2V Lite: no exact published total found; the count of the shipped config (the released
     # dit_params), which the model card's "2B" rounds
     "kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers": 2_007_702_848,
+    # Kandinsky 5.0 I2V Lite: no exact published total found; the T2V Lite's architecture (the same released
+    # dit_params), the count of its shipped config
+    "kandinskylab/Kandinsky-5.0-I2V-Lite-5s-Diffusers": 2_007_702_848,
+    # Qwen-Image 2.1: the hub's num_parameters of Qwen/Qwen-Image-2.1 (its transformer safetensors index's total_size,
+    # 14,230,249,472 bf16 bytes over 297 tensors, is twice it); the model card's "7B"
+    "Qwen/Qwen-Image-2.1": 7_115_124_736,
+    # Wan2.2-Animate-14B: no exact published total found (public model cards say "17.3B transformer parameters");
+    # Wan2.1-I2V-14B's count (above) + the Animate parts the shipped config builds: the face adapters (839,026,688),
+    # the motion encoder (22,736,436), the face encoder (17,842,176) and the pose patch embedding (332,800)
+    "Wan-AI/Wan2.2-Animate-14B-Diffusers": 17_274_816_884,
 }
 
 # The per-sample cache layout (C, ...) each family's encoder writes for a clip of F frames × H × W pixels (documented in

@@ -18,6 +18,7 @@ import torch
 from diffusers.models.attention import AttentionModuleMixin
 from diffusers.models.attention_processor import Attention
 
+from train.cp import whole
 from train.cp.plans import local_attention_processors, plan_for, resolve_plan
 from train.models import family_names, get_family
 from train.tools import tiny_models as tm
@@ -345,10 +346,24 @@ def _record_dispatch(name: str, monkeypatch: pytest.MonkeyPatch) -> list[dict[st
             m.register_forward_pre_hook(lambda *_: inside.__setitem__(0, inside[0] + 1))
             m.register_forward_hook(lambda *_: inside.__setitem__(0, inside[0] - 1))
 
+    # A family processor that moves Q/K/V to head shards of the whole sequence itself (train/cp/whole.py: Qwen-Image
+    # 2.1) dispatches between the two all-to-alls without a config: those calls are CP's. Stand-ins, serial-exact:
+    # no exchange (q, k, v as they are), and a shard that is the whole sequence.
+    heads_moved = [False]
+
+    def on_whole_sequence(parallel_config: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+        assert parallel_config is _SENTINEL
+        heads_moved[0] = True
+        return q, k, v, lambda out: heads_moved.__setitem__(0, False) or out
+
+    monkeypatch.setattr(whole, "heads_on_whole_sequence", on_whole_sequence)
+    monkeypatch.setattr(whole, "shard_span", lambda parallel_config, n, device: (0, n))
+
     def wrap(original: Callable) -> Callable:
         def wrapper(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if not inside[0]:
-                calls.append({"q": query.shape[1], "k": key.shape[1], "cp": kwargs.get("parallel_config") is _SENTINEL})
+                cp = kwargs.get("parallel_config") is _SENTINEL or heads_moved[0]
+                calls.append({"q": query.shape[1], "k": key.shape[1], "cp": cp})
             kwargs["parallel_config"] = None
             return original(query, key, value, *args, **kwargs)
 

@@ -156,7 +156,22 @@ IN_PROCESS = {  # family: (validation settings, the file written, the reference 
     # channels-last latents, its processor as tokenizer (the encoder's pipeline_components), CFG with its default
     # negative prompt
     "kandinsky5": ("height: 32, width: 32, num_frames: 5, save_tensors: true", "0.mp4", False),
+    # conditioned on an image kept as latent frame 0; 17 frames: its normalize_first_frame needs 5 latent frames
+    "kandinsky5_i2v": ("height: 32, width: 32, num_frames: 17, save_tensors: true", "0.mp4", False),
+    # its control stream (no control video in a sample: the pipeline's zero video and full mask)
+    "wan_vace": ("height: 32, width: 32, num_frames: 5, save_tensors: true", "0.mp4", False),
+    # text2world: the pipeline's own conditioning frames and per-frame timestep
+    "cosmos": ("height: 32, width: 32, num_frames: 5, guidance_scale: 2.0, save_tensors: true", "0.mp4", False),
+    # two text encoders (Qwen and ByT5) packed by forward(); its x32 VAE: 64 x 96
+    "hunyuanimage": ("height: 64, width: 96, save_tensors: true", "0.png", False),
+    # the joint [text | image] output's last H*W tokens, Qwen3-VL text through its processor (the encoder's
+    # pipeline_components), an RGBA image (its VAE decodes 4 channels); sides multiples of 32
+    "qwenimage21": ("height: 32, width: 64, save_tensors: true", "0.png", False),
 }
+# the png's (height, width, channels) where it is not (32, 48, 3)
+PNG_SHAPES = {"hunyuanimage": (64, 96, 3), "qwenimage21": (32, 64, 4)}
+# the mp4's frames where it is not 5
+VIDEO_FRAMES = {"kandinsky5_i2v": 17}
 PROMPT = "a green triangle"
 
 
@@ -232,10 +247,10 @@ def test_in_process_sample_is_the_pipelines_own_output(in_process, family: str) 
     path, ref = in_process(family)
     if path.suffix == ".png":
         png = _levels(path)
-        assert png.shape == (32, 48, 3)
+        assert png.shape == PNG_SHAPES.get(family, (32, 48, 3))
         assert np.abs(png - (np.clip(ref, 0, 1) * 255).round().astype(int)).max() <= 1
     else:
-        assert _decode(path).shape == (5, 32, 32, 3)
+        assert _decode(path).shape == (VIDEO_FRAMES.get(family, 5), 32, 32, 3)
     assert np.abs(torch.load(path.with_suffix(".pt")).numpy() - ref).max() <= RELOAD_TOL
 
 
@@ -310,3 +325,17 @@ def test_guidance_scale_the_pipeline_does_not_take_is_refused(tmp_path: Path) ->
     with pytest.raises(UserError, match="validation.guidance_scale: HunyuanImagePipeline takes no guidance_scale"):
         check_validation(recipe, get_family("hunyuanimage"))
     check_validation(load_recipe(REPO / TINY, sets), get_family("wan"))  # Wan's pipeline takes it
+
+
+def test_samples_of_a_family_with_conditioning_media_are_refused(tmp_path: Path) -> None:
+    """WanAnimatePipeline needs a pose and a face video for every sample, which validation prompts do not give: one
+    line before anything is built, not a ValueError at the first sample."""
+    from train.config import load_recipe
+    from train.errors import UserError
+    from train.models import get_family
+    from train.validation import check_validation
+
+    sets = [f"model.pretrained_path={tmp_path}", "validation={prompts: [{prompt: a}]}"]
+    recipe = load_recipe(REPO / "recipes/tiny/wan_animate.yaml", sets)
+    with pytest.raises(UserError, match="validation: wan_animate samples need pose_video, face_video"):
+        check_validation(recipe, get_family("wan_animate"))

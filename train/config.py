@@ -23,7 +23,7 @@ import os
 import pkgutil
 import re
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -461,6 +461,10 @@ class DataConfig(Section):
     each latent cell's pixels and frames) and caches it; the loss multiplies the squared error by it (its mean still
     over every element). A sample with no mask trains on all of it; an unreadable or mismatched mask makes the item
     bad (`bad_mask`). null = no masks."""
+    condition_columns: dict[str, str] = Field(default_factory=dict)
+    """Families whose items need named conditioning media (Wan Animate: `pose_video`, `face_video`): the column or
+    metadata key holding each, a path relative to the metadata file or a dataset video; a name not listed is read from
+    the column of its own name. An item without one is bad (`no_condition`), one that cannot be read `bad_condition`."""
     height: Positive = 512
     """Pixel height media is resized/cropped to before encoding (when buckets is null)."""
     width: Positive = 512
@@ -503,6 +507,10 @@ class DataConfig(Section):
                          "tell datasets apart by name): set a name of its own")])  # fmt: skip
             seen[name] = i
         return self
+
+    def condition_columns_of(self, names: Sequence[str]) -> dict[str, str]:
+        """The column each of the conditioning media `names` is read from (condition_columns, else the name)."""
+        return {name: self.condition_columns.get(name, name) for name in names}
 
     def dataset_names(self) -> list[str]:
         """The names of data.datasets (a cache folder's name when unnamed); [] without datasets."""

@@ -290,12 +290,13 @@ def calibration_status(family: str) -> str | None:
 
 def _scaled_shapes(instance: Mapping[str, Any], grid: int, text: int) -> dict[str, list[int]]:
     """The instance's synthetic shapes with the latent grid's last axis × `grid` (and every tensor on the latents'
-    grid alike, whatever its channels: Wan VACE's control latents) and the text length × `text`."""
+    spatial grid alike, whatever its channels and frames: Wan VACE's control latents, Wan Animate's pose latents) and
+    the text length × `text`."""
     base = instance["shapes"]
     out = {}
     for key, shape in base.items():
         shape = list(shape)
-        if shape[1:] == base["latents"][1:]:
+        if len(shape) == len(base["latents"]) and shape[-2:] == base["latents"][-2:]:
             shape[-1] *= grid
         elif key.startswith("prompt"):
             shape[0] *= text

@@ -18,8 +18,9 @@ item's loss mask (an image or a video of the media's size) is decoded and croppe
 to the latents' resolution as the family's VAE compresses (`FamilyEncoder.loss_mask`) and stored as `loss_mask`; an
 item without one gets all ones.
 
-Bad items (unreadable/corrupt, too short, too small, no caption, no audio track or reference image where the family
-needs one, an unreadable or mismatched loss mask (`bad_mask`), NaN/Inf from the encoders) are skipped, counted and
+Bad items (unreadable/corrupt, too short, too small, no caption, no audio track, reference image or named conditioning
+video where the family needs one (`no_condition` / `bad_condition`: `data.condition_columns`), an unreadable or
+mismatched loss mask (`bad_mask`), NaN/Inf from the encoders) are skipped, counted and
 listed in the manifest; the run fails if they are more than `data.max_bad_fraction` of the source. Resumable: items
 whose sample file exists and is whole are not encoded again (their metadata is re-read; a missing, truncated or damaged
 file is encoded again), and a resumed run must use the same settings (prepare_config.json). The manifest records each
@@ -38,7 +39,7 @@ import os
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,6 +125,10 @@ def check_ready(recipe: Recipe) -> None:
     problems = [why for why, value in required.items() if value is None]
     if problems:
         raise PrepareError("cannot prepare:\n  " + "\n  ".join(problems))
+    family, named = recipe.model.family, get_encoder(recipe.model.family).condition_media
+    if unknown := sorted(set(recipe.data.condition_columns) - set(named)):
+        raise PrepareError(f"data.condition_columns: {family} reads no {unknown}; its conditioning media: "
+                           f"{list(named) or 'none'}")  # fmt: skip
     check_geometry(recipe)
 
 
@@ -151,6 +156,9 @@ class SourceItem:
     """The item's reference image (data.reference_column: a path, or a datasets cell), None when it has none."""
     mask: Any = None
     """The item's loss mask (data.mask_column: a path, or a datasets cell), None when it has none."""
+    conditions: dict[str, Any] = field(default_factory=dict)
+    """The item's conditioning media by name (the family's `condition_media`: a path, or a datasets cell), None for
+    one it lacks."""
 
 
 class _Listing:
@@ -207,8 +215,10 @@ def _folder_listing(
     media_column: str | None,
     reference_column: str = "reference",
     mask_column: str | None = None,
+    condition_columns: Mapping[str, str] | None = None,
 ) -> _Listing:
     items: list[SourceItem] = []
+    condition_columns = condition_columns or {}
     if meta is not None:
         rows = _jsonl_rows(meta) if meta.suffix == ".jsonl" else _csv_rows(meta)
         if not rows:
@@ -222,9 +232,10 @@ def _folder_listing(
             rel, ref, mask = str(row.get(key) or ""), row.get(reference_column), row.get(mask_column or "")
             ref = str(root / ref) if isinstance(ref, str) and ref else None  # relative to the metadata file
             mask = str(root / mask) if isinstance(mask, str) and mask else None
-            items.append(
-                SourceItem(i, str(root / rel), _caption(row.get(caption_column)), rel or f"row {i}", ref, mask)
-            )
+            conditions = {name: row.get(column) for name, column in condition_columns.items()}
+            conditions = {name: str(root / v) if isinstance(v, str) and v else None for name, v in conditions.items()}
+            caption, name = _caption(row.get(caption_column)), rel or f"row {i}"
+            items.append(SourceItem(i, str(root / rel), caption, name, ref, mask, conditions))
     elif mask_column is not None:
         raise PrepareError(f"{root}: data.mask_column is set, but the folder has no metadata.jsonl/csv to name each "
                            "item's mask in: add one (file_name, text and the mask column), or set data.mask_column: "
@@ -237,7 +248,8 @@ def _folder_listing(
                 caption = p.with_suffix(".txt").read_text()
             elif p.with_suffix(".json").is_file():
                 caption = _json_object(p.with_suffix(".json"), p.with_suffix(".json").read_text()).get(caption_column)
-            items.append(SourceItem(i, str(p), _caption(caption), str(p.relative_to(root))))
+            conditions = dict.fromkeys(condition_columns)  # no metadata names them: the item lacks them
+            items.append(SourceItem(i, str(p), _caption(caption), str(p.relative_to(root)), conditions=conditions))
     return _Listing(len(items), items.__getitem__)
 
 
@@ -300,9 +312,11 @@ def _datasets_listing(
     media_column: str | None,
     reference_column: str = "reference",
     mask_column: str | None = None,
+    condition_columns: Mapping[str, str] | None = None,
 ) -> _Listing:
     import datasets
 
+    condition_columns = condition_columns or {}
     ds = datasets.load_dataset(name, split=split)
     media_features = [k for k, f in ds.features.items() if isinstance(f, (datasets.Image, datasets.Video))]
     key = media_column or (media_features[0] if media_features else None)
@@ -313,8 +327,9 @@ def _datasets_listing(
         ds = ds.cast_column(key, type(feature)(decode=False))
     if isinstance(ds.features.get(reference_column), datasets.Image):
         ds = ds.cast_column(reference_column, datasets.Image(decode=False))
-    if isinstance(ds.features.get(mask_column or ""), (datasets.Image, datasets.Video)):
-        ds = ds.cast_column(mask_column, type(ds.features[mask_column])(decode=False))
+    for column in (mask_column or "", *condition_columns.values()):
+        if isinstance(ds.features.get(column), (datasets.Image, datasets.Video)):
+            ds = ds.cast_column(column, type(ds.features[column])(decode=False))
     has_reference = reference_column in ds.column_names
     if caption_column not in ds.column_names:
         raise PrepareError(f"dataset {name} [{split}]: no caption column {caption_column!r}; columns {ds.column_names}")
@@ -326,7 +341,8 @@ def _datasets_listing(
         row = ds[i]
         ref = row[reference_column] if has_reference else None
         mask = row[mask_column] or None if mask_column is not None else None  # an empty cell: no mask
-        return SourceItem(i, row[key], _caption(row[caption_column]), f"{name}[{split}][{i}]", ref, mask)
+        conditions = {n: row.get(column) or None for n, column in condition_columns.items()}
+        return SourceItem(i, row[key], _caption(row[caption_column]), f"{name}[{split}][{i}]", ref, mask, conditions)
 
     return _Listing(len(ds), get)
 
@@ -338,11 +354,13 @@ def list_source(
     split: str = "train",
     reference_column: str = "reference",
     mask_column: str | None = None,
+    condition_columns: Mapping[str, str] | None = None,
 ) -> _Listing:
     """The items of `source`: a folder (metadata.jsonl, metadata.csv, or sidecar captions), a metadata file, or a
-    `datasets` name/path (load_dataset). Index i is the item's position; sample files are named after it."""
+    `datasets` name/path (load_dataset). Index i is the item's position; sample files are named after it.
+    `condition_columns`: the column of each conditioning medium the family reads, by name."""
     path = Path(source)
-    columns = (caption_column, media_column, reference_column, mask_column)
+    columns = (caption_column, media_column, reference_column, mask_column, condition_columns)
     if path.is_file() and path.suffix in (".jsonl", ".csv"):
         return _folder_listing(path.parent, path, *columns)
     if path.is_dir():
@@ -476,9 +494,9 @@ def _open_cache(run: _Run) -> _Listing:
     """The source's items, after checking a resumed cache's settings and (rank 0) recording ours."""
     data, cache = run.data, run.cache
     _check_fingerprint(cache, run.recipe)
-    listing = list_source(
-        data.source, data.caption_column, data.media_column, data.split, data.reference_column, data.mask_column
-    )
+    conditions = data.condition_columns_of(get_encoder(run.recipe.model.family).condition_media)
+    listing = list_source(data.source, data.caption_column, data.media_column, data.split, data.reference_column,
+                          data.mask_column, conditions)  # fmt: skip
     if len(listing) == 0:
         raise PrepareError(f"{data.source}: no items")
     if run.procs.rank == 0:
@@ -499,12 +517,17 @@ def _load_item(run: _Run, buckets: list[Bucket], item: SourceItem) -> tuple[str,
         return "reuse", None
     if item.caption is None:
         return "bad", BadMediaError("no_caption", f"{item.name}: caption ({data.caption_column}) missing")
+    if missing := [name for name, src in item.conditions.items() if src is None]:
+        columns = data.condition_columns_of(missing)
+        what = ", ".join(f"{n} (column {columns[n]!r}, data.condition_columns)" for n in missing)
+        return "bad", BadMediaError("no_condition", f"{item.name}: no {what}")
     try:
         info = probe(item.media)
         bucket = choose_bucket(info, buckets, data.fps)
         clip = load_clip(item.media, bucket, data.fps, allow_upscale=data.allow_upscale, info=info)
         # e.g. the soundtrack, the reference image of an editing family
-        extra = run.encoder.load_extra(item.media, info, bucket, data.fps or info.fps, item.reference)
+        extra = run.encoder.load_extra(item.media, info, bucket, data.fps or info.fps, item.reference,
+                                       **item.conditions)  # fmt: skip
         mask = None
         if data.mask_column is not None:  # an item without a mask trains on all of it
             ones = torch.ones(bucket.frames, bucket.height, bucket.width)
@@ -597,10 +620,9 @@ def _encode_item(
     gen = None
     if sample == "sample":
         gen = torch.Generator(run.procs.device).manual_seed(item_seed(run.recipe.train.seed, item.index))
-    tensors = encoder.encode_media(to_model_input(clip), gen, sample, fps)
+    tensors = encoder.encode_item(to_model_input(clip), extra, gen, sample, fps)
     if mask is not None:  # data.mask_column: at the latents' resolution, as this family's VAE compresses
         tensors[LOSS_MASK] = encoder.loss_mask(mask, tensors["latents"].shape)
-    tensors.update(encoder.encode_extra(extra, gen, sample, fps))
     tensors.update(encoder.encode_item_text(item.caption, run.text_tokens, extra))
     tensors = _cast(tensors, run.dtype)  # checked after the cast: a value past the cache dtype's range becomes Inf
     if bad := _non_finite(tensors):  # such an item would make the loss NaN at every step that reads it

@@ -21,7 +21,8 @@ Rank 0 writes `output_dir/samples/step_N/<i>.mp4` (video; PyAV, libx264 yuv420p)
 float output `<i>.pt` (`save_tensors`), and logs them to wandb (`validation/<i>`, the prompt as caption).
 
 Per family, as data: `spec.pipeline_class`, `spec.latent_kind` (mp4 or png), the encoder's `validation_image`
-(the pipeline's `image` argument required, optional or not taken). Which keyword arguments a pipeline takes
+(the pipeline's `image` argument required, optional or not taken), `spec.validation_kwargs` (arguments its pipeline
+call needs besides the recipe's). Which keyword arguments a pipeline takes
 (`num_frames`, `negative_prompt`, `callback_on_step_end`) is read from its `__call__` signature.
 """
 
@@ -74,6 +75,10 @@ def check_validation(recipe: Recipe, spec: FamilySpec) -> None:
         raise UserError(f"validation: {spec.name} trains one expert of a mixture {list(spec.experts)}, and its "
                         "pipeline needs both to sample; render samples after training from the exported weights, "
                         "or set validation=null")  # fmt: skip
+    if named := get_encoder(spec.name).condition_media:
+        raise UserError(f"validation: {spec.name} samples need {', '.join(named)} for every prompt, which validation "
+                        "prompts do not give; render samples after training from the exported weights, or set "
+                        "validation=null")  # fmt: skip
     takes = _call_parameters(spec)
     if v.negative_prompt is not None and "negative_prompt" not in takes:
         raise UserError(f"validation.negative_prompt: {spec.pipeline_class} takes no negative prompt; set it to null")
@@ -215,7 +220,8 @@ class Validation:
         p = v.prompts[i]
         kw: dict[str, Any] = {"prompt": p.prompt, "num_inference_steps": v.num_inference_steps, "output_type": "np",
                               "height": v.height or data.height, "width": v.width or data.width,
-                              "generator": torch.Generator("cpu").manual_seed(v.seed + i)}  # fmt: skip
+                              "generator": torch.Generator("cpu").manual_seed(v.seed + i),
+                              **self.spec.validation_kwargs}  # fmt: skip
         if "num_frames" in takes:
             kw["num_frames"] = v.num_frames or data.num_frames
         if v.guidance_scale is not None:

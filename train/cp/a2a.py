@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from train.errors import UserError
 
@@ -27,8 +28,8 @@ from .layout import LayoutRegistry, split_sizes
 from .state import ContextParallelState
 
 __all__ = [
-    "Layout", "Rider", "attention_kernel", "heads_to_seq", "model_state", "offsets", "own_heads", "qkv_to_heads",
-    "seq_to_heads",
+    "HeadsToSeq", "Layout", "Rider", "SeqToHeads", "attention_kernel", "heads_to_seq", "model_state", "offsets",
+    "own_heads", "qkv_to_heads", "seq_to_heads",
 ]  # fmt: skip
 
 
@@ -321,6 +322,44 @@ def qkv_to_heads(query, key, value, attn_mask, group, world: int, rank: int, lay
     q = _trim_seq(q, q_cap, lay.q_sizes, dim)
     k, v = (_trim_seq(t, kv_cap, lay.kv_sizes, dim) for t in (k, v))
     return q, k, v, None, lay
+
+
+class SeqToHeads(torch.autograd.Function):
+    """The Q/K/V all-to-all (sequence → heads) as an autograd node; `out` receives the mask in the group's global
+    layout (this rank's heads) and the layout, which the output's inverse needs. `layout`: the model's registry when
+    `group` is the whole CP group its splits are recorded over (no size exchange); None for the Ulysses group of ring
+    x Ulysses (its splits are not the registry's): sizes are exchanged."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, mask, group, layout, transport, out: dict):
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        q, k, v, mask, lay = qkv_to_heads(query, key, value, mask, group, world, rank, layout, transport)
+        ctx.lay, ctx.group, ctx.transport = lay, group, transport
+        out.update(mask=mask, layout=lay)
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        lay = ctx.lay
+        seq = [lay.q_sizes, lay.kv_sizes, lay.kv_sizes]
+        dq, dk, dv = heads_to_seq([dq, dk, dv], seq, lay, ctx.group, ctx.transport, "d_qkv")
+        return dq, dk, dv, None, None, None, None, None
+
+
+class HeadsToSeq(torch.autograd.Function):
+    """The output's inverse all-to-all (heads → sequence) as an autograd node."""
+
+    @staticmethod
+    def forward(ctx, x, lay, group, transport):
+        ctx.lay, ctx.group, ctx.transport = lay, group, transport
+        (y,) = heads_to_seq([x], [lay.q_sizes], lay, group, transport, "out")
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        lay = ctx.lay
+        (d,), _ = seq_to_heads([grad.contiguous()], [lay.q_sizes], lay, ctx.group, ctx.transport, "d_out")
+        return d, None, None, None
 
 
 def model_state(parallel_config) -> tuple[LayoutRegistry | None, TorchTransport]:

@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from train.errors import UserError
 
-from .a2a import attention_kernel, heads_to_seq, model_state, offsets, own_heads, qkv_to_heads, seq_to_heads
+from .a2a import HeadsToSeq, SeqToHeads, attention_kernel, heads_to_seq, model_state, offsets, own_heads
 from .comm import TorchTransport, exchange_ints
 from .kernels import KERNELS, Kernel
 from .kernels import acc_dtype as _acc_dtype
@@ -453,43 +453,6 @@ class RingAnythingAttention(torch.autograd.Function):
 # -- hybrid: Ulysses inside the "ulysses" mesh dim, ring over the "ring" dim ----------------------------------------
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """Ulysses-Anything's Q/K/V all-to-all (sequence → heads) as an autograd node; `out` receives the mask in the
-    Ulysses group's global layout (this rank's heads) and the layout, which the output's inverse needs."""
-
-    @staticmethod
-    def forward(ctx, query, key, value, mask, group, transport, out: dict):
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        # No layout registry: a model's registry records splits over the whole CP group, not the Ulysses group.
-        q, k, v, mask, lay = qkv_to_heads(query, key, value, mask, group, world, rank, None, transport)
-        ctx.lay, ctx.group, ctx.transport = lay, group, transport
-        out.update(mask=mask, layout=lay)
-        return q, k, v
-
-    @staticmethod
-    def backward(ctx, dq, dk, dv):
-        lay = ctx.lay
-        seq = [lay.q_sizes, lay.kv_sizes, lay.kv_sizes]
-        dq, dk, dv = heads_to_seq([dq, dk, dv], seq, lay, ctx.group, ctx.transport, "d_qkv")
-        return dq, dk, dv, None, None, None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    """The output's inverse all-to-all (heads → sequence) as an autograd node."""
-
-    @staticmethod
-    def forward(ctx, x, lay, group, transport):
-        ctx.lay, ctx.group, ctx.transport = lay, group, transport
-        (y,) = heads_to_seq([x], [lay.q_sizes], lay, group, transport, "out")
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        lay = ctx.lay
-        (d,), _ = seq_to_heads([grad.contiguous()], [lay.q_sizes], lay, ctx.group, ctx.transport, "d_out")
-        return d, None, None, None
-
-
 @torch.compiler.disable
 def ring_ulysses_attention(
     query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, forward_op, backward_op,
@@ -507,7 +470,7 @@ def ring_ulysses_attention(
     # per block and its rows per stretch itself; only its heads are cut here, to this rank's Ulysses heads.
     whole = attn_mask is not None and attn_mask.shape[-1] != key.shape[-3]
     held: dict = {}
-    q, k, v = _SeqToHeads.apply(query, key, value, None if whole else attn_mask, group, transport, held)
+    q, k, v = SeqToHeads.apply(query, key, value, None if whole else attn_mask, group, None, transport, held)
     mask = held["mask"]
     if whole:
         mask = own_heads(attn_mask, held["layout"], dist.get_rank(group))
@@ -517,8 +480,8 @@ def ring_ulysses_attention(
     )  # fmt: skip
     lay = held["layout"]
     if not return_lse:
-        return _HeadsToSeq.apply(out, lay, group, transport)
+        return HeadsToSeq.apply(out, lay, group, transport)
     out, lse = out
     with torch.no_grad():
         (lse,) = heads_to_seq([lse.unsqueeze(-1).contiguous()], [lay.q_sizes], lay, group, transport, "lse")
-    return _HeadsToSeq.apply(out, lay, group, transport), lse.squeeze(-1)
+    return HeadsToSeq.apply(out, lay, group, transport), lse.squeeze(-1)

@@ -266,7 +266,8 @@ def _write_metadata(root: Path, rows: list[dict], caption_column: str, metadata:
         import csv
 
         with open(root / "metadata.csv", "w", newline="") as f:
-            fields = ["file_name", caption_column, "expect"] + (["reference"] if "reference" in rows[0] else [])
+            fields = ["file_name", caption_column, "expect"]
+            fields += [k for k in rows[0] if k not in fields]  # reference, conditioning media
             writer = csv.DictWriter(f, fieldnames=fields)
             writer.writeheader()
             writer.writerows(rows)
@@ -293,6 +294,7 @@ def make_media_set(
     audio_rate: int = 16000,
     audio_codec: str = "aac",
     references: bool = False,
+    conditions: Sequence[str] = (),
 ) -> list[dict]:
     """Write clips, images, bad items and metadata.jsonl (or .csv) under `root`; return the metadata rows.
 
@@ -301,7 +303,8 @@ def make_media_set(
     should report, or "ok"), which the prepare code ignores. `audio=True` gives every clip (good or bad) a stereo
     track of its pitches (see the module doc), at `audio_rate` Hz in `audio_codec`. `references=True` gives every row a
     `reference` column (editing families' input image): a still PNG of its own shape on another background, 3/4 the
-    item's size.
+    item's size. `conditions` gives every row a column of each name (a family's named conditioning media): a clip of
+    the media's frame count and rate, of its own shape and motion, at the item's size.
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -320,5 +323,9 @@ def make_media_set(
             row["reference"] = f"reference_{j:03d}.png"
             image = render_clip(shape, color, None, bg, frames=1, height=height * 3 // 4, width=width * 3 // 4)[0]
             write_image(root / row["reference"], image)
+    for name in conditions:
+        for j, row in enumerate(rows):
+            row[name] = f"{name}_{j:03d}{writer.ext}"
+            writer.video(row[name], *writer.pick(), writer.frames, height, width)
     _write_metadata(root, rows, caption_column, metadata)
     return rows

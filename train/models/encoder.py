@@ -30,6 +30,7 @@ __all__ = [
     "FamilyEncoder",
     "SampleMode",
     "causal_frame_cells",
+    "load_condition_video",
     "load_processor_without_video",
     "load_reference_image",
     "mean_std_normalise",
@@ -57,6 +58,29 @@ def load_reference_image(reference: Any, item: str):
         return _open_image(reference)
     except BadMediaError as e:
         raise BadMediaError("bad_reference", e.detail) from None
+
+
+def load_condition_video(
+    name: str, src: Any, media: Any, bucket: Any, fps: float | None, *, own_size: bool = False
+) -> torch.Tensor:
+    """An item's conditioning video `name` (see `FamilyEncoder.condition_media`) as uint8 (F, 3, H, W): the frames of
+    `bucket` sampled at `fps` from the start, as the media's, resized and centre-cropped to the bucket's size as the
+    media is (`own_size`: at the video's own size). An image, a video of another frame count than its media (where
+    both headers state it), or one that cannot be read makes the item bad (`bad_condition`)."""
+    from train.data.media import BadMediaError, Bucket, load_clip, probe
+
+    try:
+        info = probe(src)
+        counts = info.num_frames, media.num_frames
+        if info.kind != "video" or (all(counts) and counts[0] != counts[1]):
+            what = "an image" if info.kind != "video" else f"a video of {info.num_frames} frames"
+            raise BadMediaError("bad_condition", f"{name} {info.name} is {what}, its media has {media.num_frames} "
+                                "frames: give it one frame per media frame")  # fmt: skip
+        size = Bucket(bucket.frames, info.height, info.width) if own_size else bucket
+        return load_clip(src, size, fps, allow_upscale=True, info=info)
+    except BadMediaError as e:
+        detail = e.detail if e.reason == "bad_condition" else f"{name}: {e.detail}"
+        raise BadMediaError("bad_condition", detail) from None
 
 
 @functools.cache
@@ -152,6 +176,11 @@ class FamilyEncoder(ABC):
     needs_reference: bool = False
     """Editing families: every item needs a reference (input) image, read from `data.reference_column` and handed to
     `load_extra` (an item without one is bad: `no_reference`)."""
+    condition_media: tuple[str, ...] = ()
+    """Named conditioning media every item needs besides its reference (Wan Animate: a pose video and a face video),
+    each read from the item's column `data.condition_columns[name]` (default: the name itself) and handed to
+    `load_extra` as a keyword argument of that name; an item without one is bad (`no_condition`), one whose media
+    cannot be read `bad_condition` (`load_condition_video`)."""
     validation_image: Literal["required", "optional"] | None = None
     """Validation samples (train/validation.py): the pipeline's `image` argument, the conditioning image (the first
     frame of image-to-video, the input of editing), is required for every validation prompt, optional, or not taken."""
@@ -297,8 +326,9 @@ class FamilyEncoder(ABC):
 
     def load_extra(self, src: Any, info: Any, bucket: Any, fps: float | None, reference: Any = None) -> Any:
         """Media the family needs besides the frames (MiniMax-H3: the soundtrack; editing families: the item's
-        `reference` image, a path or a datasets cell, None when the item has none), decoded in prepare's loader
-        threads after `load_clip`; may raise BadMediaError. None for the families that need nothing more."""
+        `reference` image, a path or a datasets cell, None when the item has none; each of `condition_media` as a
+        keyword argument of its name, a path or a datasets cell), decoded in prepare's loader threads after
+        `load_clip`; may raise BadMediaError. None for the families that need nothing more."""
         return None
 
     def encode_extra(
@@ -306,6 +336,14 @@ class FamilyEncoder(ABC):
     ) -> dict[str, torch.Tensor]:
         """Cache tensors of what `load_extra` returned (after `encode_media`, with the same generator)."""
         return {}
+
+    def encode_item(
+        self, pixels: torch.Tensor, extra: Any, generator: torch.Generator | None, mode: SampleMode, fps: float | None
+    ) -> dict[str, torch.Tensor]:
+        """An item's media tensors: `encode_media` of its pixels, then `encode_extra` of what `load_extra` returned
+        (with the same generator), unless the family's latents need both (Wan Animate: the reference image's latent
+        frame in front of the clip's)."""
+        return self.encode_media(pixels, generator, mode, fps) | self.encode_extra(extra, generator, mode, fps)
 
     def encode_item_text(self, caption: str, max_tokens: int | None, extra: Any) -> dict[str, torch.Tensor]:
         """An item's caption embeddings, given what `load_extra` returned: `encode_text` unless the pipeline encodes

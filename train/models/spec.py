@@ -332,6 +332,11 @@ class FamilySpec:
     # trainer's loading, the serial oracle's and the tiny builders: train_ready), before its attention backend and CP
     # are set: Kandinsky 5's float32-RoPE attention processor. None: the transformer as diffusers builds it.
     prepare_transformer: Callable[[torch.nn.Module], None] | None = None
+    # Arguments the family's pipeline call needs in validation samples besides the recipe's (train/validation.py):
+    # Qwen-Image 2.1's prefix KV cache runs its later steps on the target tokens only, a sequence the CP plan does not
+    # describe, so its samples run without it ({"use_kv_cache": False}; the cache is exact, so the samples are the
+    # same). Empty: the pipeline's defaults.
+    validation_kwargs: Mapping[str, Any] = field(default_factory=frozen)
 
     def __post_init__(self) -> None:
         if self.latent_kind not in ("image", "video"):

@@ -244,13 +244,6 @@ REASONS: dict[str, str] = {
     "threshold over 8 x 8 token tiles, plus a sliding-tile window), and torch runs no FlexAttention backward on CPU: "
     "the serial training step of the check fails before any CP (NotImplementedError), so no plan can be verified "
     "here; refused until it is checked on a GPU",
-    "QwenImage21Transformer2DModel": "its attention is block-causal over the joint [text | image] sequence (text "
-    "causal, each image block bidirectional, the target image over every key): the default processor slices the "
-    "queries and keys into those segments by their positions in the whole sequence before it dispatches, which on a "
-    "rank's shard are other tokens (measured with the pipeline's inputs: the split norm_k is used whole, and the "
-    "layout check finds four 11-token attention calls the splits do not explain); the flex processor's BlockMask has "
-    "no CPU backward. It needs a CP processor that runs the all-to-all (sequence to heads) before the segment loop "
-    "and back after it",
     "WanAnimate2Transformer3DModel": "a training forward is two passes sharing a KV cache object: an 'extract' pass "
     "over the reference video fills a WanAnimate2KVCache, and each denoising pass ('cached') attends over the "
     "generation tokens and the cached reference keys through a flex BlockMask (torch runs no FlexAttention backward "

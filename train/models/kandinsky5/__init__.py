@@ -35,7 +35,7 @@ attend locally over the whole text.
 
 Not covered: NABLA sparse attention (the 10 s checkpoints' ``attention_type: nabla``: ``sparse_params`` is None, dense
 attention, for training; the processor still applies NABLA when a pipeline passes it), image-to-video
-(Kandinsky5I2VPipeline: the first latent frame as ``visual_cond`` and its mask), text-to-image, the Pro (19B)
+(Kandinsky5I2VPipeline: the ``kandinsky5_i2v`` family, which reuses this one), text-to-image, the Pro (19B)
 checkpoints (the same class: set model.pretrained_path; no shipped config), CFG and negative prompts in training.
 """
 

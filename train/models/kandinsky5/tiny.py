@@ -20,16 +20,18 @@ from train.models.tiny import clip_text_encoder, clip_tokenizer
 
 
 def build_tiny(path: Path) -> None:
-    from diffusers import (
-        AutoencoderKLHunyuanVideo,
-        FlowMatchEulerDiscreteScheduler,
-        Kandinsky5T2VPipeline,
-        Kandinsky5Transformer3DModel,
-    )
+    save_tiny_pipeline(path, "kandinsky5", "Kandinsky5T2VPipeline")
+
+
+def save_tiny_pipeline(path: Path, family: str, pipeline_class: str) -> None:
+    """Writes the tiny ``pipeline_class`` (a Kandinsky 5 video pipeline: T2V, or I2V, which takes the same components)
+    around the tiny transformer of ``family``'s recipe to ``path``."""
+    import diffusers
+    from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, Kandinsky5Transformer3DModel
     from diffusers.models.transformers.transformer_kandinsky import Kandinsky5Modulation
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    cfg = tiny_config("kandinsky5")
+    cfg = tiny_config(family)
     tok, text_encoder = tiny_qwen25vl(cfg["in_text_dim"], SPECIALS)  # the processor's image and video tokens too
     clip_tok = clip_tokenizer()
     vae = AutoencoderKLHunyuanVideo(
@@ -47,7 +49,7 @@ def build_tiny(path: Path) -> None:
         if isinstance(module, Kandinsky5Modulation):
             torch.nn.init.normal_(module.out_layer.weight, std=0.1)
             torch.nn.init.normal_(module.out_layer.bias, std=0.1)
-    pipe = Kandinsky5T2VPipeline(
+    pipe = getattr(diffusers, pipeline_class)(
         transformer=transformer,
         vae=vae,
         text_encoder=text_encoder,
