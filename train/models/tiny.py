@@ -13,6 +13,8 @@ downloaded.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 NUM_HEADS = 7
@@ -56,6 +58,63 @@ def qwen_tokenizer(specials: tuple[str, ...]):
     tok = Qwen2Tokenizer(vocab=byte_bpe_vocab(), merges=[])
     tok.add_special_tokens({"additional_special_tokens": list(specials)})
     return tok
+
+
+QWEN3VL_SPECIALS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                    "<|video_pad|>")  # fmt: skip
+
+
+def qwen3vl_tokenizer():
+    """The byte-level Qwen2 tokenizer with every Qwen3-VL vision special token."""
+    return qwen_tokenizer(QWEN3VL_SPECIALS)
+
+
+def save_qwen3vl_processor(tokenizer, path: Path, patch_size: int = 16, merge_size: int = 2) -> None:
+    """Write the folder `Qwen3VLProcessor.save_pretrained` writes: its tokenizer + processor_config.json.
+
+    transformers' Qwen3VLVideoProcessor cannot be instantiated without torchvision (not a dependency here), so the
+    processor object is not built: the files are written as save_pretrained lays them out (image and video processor
+    configs nested in processor_config.json, `processor_class` in the tokenizer config), which `from_pretrained`
+    reads back where torchvision is installed; the families' encoders load them without torchvision.
+    """
+    from transformers import Qwen2VLImageProcessorPil
+
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer._set_processor_class("Qwen3VLProcessor")
+    tokenizer.save_pretrained(path)
+    pixels = {"shortest_edge": 4 * (patch_size * merge_size) ** 2, "longest_edge": 64 * (patch_size * merge_size) ** 2}
+    common = dict(patch_size=patch_size, temporal_patch_size=2, merge_size=merge_size, image_mean=[0.5] * 3,
+                  image_std=[0.5] * 3)  # fmt: skip
+    image = Qwen2VLImageProcessorPil(size=pixels, **common).to_dict()
+    image["image_processor_type"] = "Qwen2VLImageProcessor"  # the class name save_pretrained records
+    video = {"video_processor_type": "Qwen3VLVideoProcessor", "size": pixels, "fps": 2, "min_frames": 4,
+             "max_frames": 768, "do_sample_frames": True, **common}  # fmt: skip
+    config = {"image_processor": image, "video_processor": video, "processor_class": "Qwen3VLProcessor"}
+    (path / "processor_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def qwen3vl_text_encoder(tokenizer, text_dim: int, layers: int):
+    """A Qwen3-VL of `layers` decoder layers of width `text_dim` with a one-block vision tower (MiniMax-H3 reads
+    hidden_states[50] and refuses <= 50 layers: 51; Qwen-Image 2.1 reads the last layer: 2)."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    special = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN3VL_SPECIALS}
+    rope = dict(rope_type="default", mrope_section=[2, 1, 1], mrope_interleaved=True, rope_theta=1e4)
+    end = special["<|im_end|>"]
+    text_config = decoder_sizes(tokenizer, text_dim, layers, head_dim=8, rope_parameters=rope, bos_token_id=end,
+                                eos_token_id=end)  # fmt: skip
+    vision_config = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text_dim,
+                         patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0])  # fmt: skip
+    return Qwen3VLForConditionalGeneration(
+        Qwen3VLConfig(
+            text_config=text_config,
+            vision_config=vision_config,
+            image_token_id=special["<|image_pad|>"],
+            video_token_id=special["<|video_pad|>"],
+            vision_start_token_id=special["<|vision_start|>"],
+            vision_end_token_id=special["<|vision_end|>"],
+        )
+    )
 
 
 def clip_tokenizer(max_length: int = 77):
