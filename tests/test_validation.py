@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -167,6 +168,8 @@ IN_PROCESS = {  # family: (validation settings, the file written, the reference 
     # the joint [text | image] output's last H*W tokens, Qwen3-VL text through its processor (the encoder's
     # pipeline_components), an RGBA image (its VAE decodes 4 channels); sides multiples of 32
     "qwenimage21": ("height: 32, width: 64, save_tensors: true", "0.png", False),
+    # a reference image and each prompt's pose and face videos (media), in the pipeline's 77-frame segment
+    "wan_animate": ("height: 32, width: 32, save_tensors: true", "0.mp4", True),
 }
 # the png's (height, width, channels) where it is not (32, 48, 3)
 PNG_SHAPES = {"hunyuanimage": (64, 96, 3), "qwenimage21": (32, 64, 4)}
@@ -188,6 +191,7 @@ def in_process(tmp_path_factory, tiny_pipeline):
         from PIL import Image
 
         from train.config import load_recipe
+        from train.data.synthetic_media import write_video
         from train.metrics import MetricsLogger
         from train.models import get_encoder, get_family
         from train.validation import Validation
@@ -200,6 +204,14 @@ def in_process(tmp_path_factory, tiny_pipeline):
             image = tmp / "first.png"
             Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(image)
             entry = f"{{prompt: {PROMPT}, image: {image}}}"
+        media: dict[str, np.ndarray] = {}  # the family's conditioning videos (Wan Animate's pose and face), lossless
+        for i, name in enumerate(get_encoder(family).condition_media):
+            side = 32 if i == 0 else 16
+            media[name] = np.random.default_rng(i + 1).integers(0, 256, (5, side, side, 3), dtype=np.uint8)
+            write_video(tmp / f"{name}.mp4", media[name])
+        if media:
+            paths = ", ".join(f"{name}: {tmp / name}.mp4" for name in media)
+            entry = entry[:-1] + f", media: {{{paths}}}}}"
         recipe = load_recipe(REPO / f"recipes/tiny/{family}.yaml", [
             f"model.pretrained_path={pipeline}", f"output_dir={tmp / 'run'}", "train.max_steps=3",
             "logging.wandb_mode=disabled", f"validation={{prompts: [{entry}], every_n_steps: 3, "
@@ -226,6 +238,7 @@ def in_process(tmp_path_factory, tiny_pipeline):
         kwargs = {k: getattr(v, k) for k in ("height", "width", "num_frames", "guidance_scale") if getattr(v, k)}
         if image is not None:
             kwargs["image"] = Image.open(image).convert("RGB")
+        kwargs |= {name: [Image.fromarray(frame) for frame in video] for name, video in media.items()}
         ref = pipe(prompt=PROMPT, num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0),
                    **kwargs)[0][0]  # fmt: skip
         return path, ref
@@ -310,6 +323,24 @@ def test_recipe_mistakes_are_one_line_errors(tmp_path: Path) -> None:
     cut = load_recipe(REPO / "recipes/tiny/wan_i2v.yaml", [f"model.pretrained_path={tmp_path}", image])
     with pytest.raises(UserError, match="cut.png is not an image PIL can read"):
         check_validation(cut, get_family("wan_i2v"))
+    # Wan Animate's pose and face videos (media): all of them, only the family's, each a readable video
+    Image.new("RGB", (32, 32)).save(tmp_path / "ref.png")
+    text = tmp_path / "pose.mp4"
+    text.write_text("not a video\n")
+
+    def animate(media: str) -> str:
+        prompt = f"validation={{prompts: [{{prompt: a, image: {tmp_path / 'ref.png'}, media: {{{media}}}}}]}}"
+        recipe = load_recipe(REPO / "recipes/tiny/wan_animate.yaml", [f"model.pretrained_path={tmp_path}", prompt])
+        with pytest.raises(UserError) as err:
+            check_validation(recipe, get_family("wan_animate"))
+        assert "\n" not in str(err.value)
+        return str(err.value)
+
+    assert re.match(r"validation.prompts\[0\].media: wan_animate samples are conditioned on .*face_video: <video",
+                    animate(f"pose_video: {text}"))  # fmt: skip
+    assert "takes no ['mask']" in animate(f"pose_video: {text}, face_video: {text}, mask: {text}")
+    assert re.search(r"media.pose_video: .*pose.mp4 is not a video PyAV can read",
+                     animate(f"pose_video: {text}, face_video: {text}"))  # fmt: skip
 
 
 def test_guidance_scale_the_pipeline_does_not_take_is_refused(tmp_path: Path) -> None:
@@ -325,17 +356,3 @@ def test_guidance_scale_the_pipeline_does_not_take_is_refused(tmp_path: Path) ->
     with pytest.raises(UserError, match="validation.guidance_scale: HunyuanImagePipeline takes no guidance_scale"):
         check_validation(recipe, get_family("hunyuanimage"))
     check_validation(load_recipe(REPO / TINY, sets), get_family("wan"))  # Wan's pipeline takes it
-
-
-def test_samples_of_a_family_with_conditioning_media_are_refused(tmp_path: Path) -> None:
-    """WanAnimatePipeline needs a pose and a face video for every sample, which validation prompts do not give: one
-    line before anything is built, not a ValueError at the first sample."""
-    from train.config import load_recipe
-    from train.errors import UserError
-    from train.models import get_family
-    from train.validation import check_validation
-
-    sets = [f"model.pretrained_path={tmp_path}", "validation={prompts: [{prompt: a}]}"]
-    recipe = load_recipe(REPO / "recipes/tiny/wan_animate.yaml", sets)
-    with pytest.raises(UserError, match="validation: wan_animate samples need pose_video, face_video"):
-        check_validation(recipe, get_family("wan_animate"))

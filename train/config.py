@@ -575,6 +575,10 @@ class ValidationPrompt(Section):
     image: str | None = None
     """Path of the conditioning image: the first frame of image-to-video variants, the image to edit of editing ones
     (required there, see the family's encoder `validation_image`); null for text-to-video/image."""
+    media: dict[str, str] = Field(default_factory=dict)
+    """Paths of the family's named conditioning videos (its encoder's `condition_media`, as `data.condition_columns`
+    names them: Wan Animate's `pose_video` and `face_video`), each handed to the pipeline argument of that name as
+    its frames; required there, empty for every other family."""
 
 
 class ValidationConfig(Section):

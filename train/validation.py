@@ -21,9 +21,10 @@ Rank 0 writes `output_dir/samples/step_N/<i>.mp4` (video; PyAV, libx264 yuv420p)
 float output `<i>.pt` (`save_tensors`), and logs them to wandb (`validation/<i>`, the prompt as caption).
 
 Per family, as data: `spec.pipeline_class`, `spec.latent_kind` (mp4 or png), the encoder's `validation_image`
-(the pipeline's `image` argument required, optional or not taken), `spec.validation_kwargs` (arguments its pipeline
-call needs besides the recipe's). Which keyword arguments a pipeline takes
-(`num_frames`, `negative_prompt`, `callback_on_step_end`) is read from its `__call__` signature.
+(the pipeline's `image` argument required, optional or not taken) and `condition_media` (each prompt's `media`: videos
+handed to the pipeline arguments of those names, Wan Animate's pose and face videos), `spec.validation_kwargs`
+(arguments its pipeline call needs besides the recipe's). Which keyword arguments a pipeline takes (`num_frames`,
+`negative_prompt`, `callback_on_step_end`) is read from its `__call__` signature.
 """
 
 from __future__ import annotations
@@ -75,10 +76,6 @@ def check_validation(recipe: Recipe, spec: FamilySpec) -> None:
         raise UserError(f"validation: {spec.name} trains one expert of a mixture {list(spec.experts)}, and its "
                         "pipeline needs both to sample; render samples after training from the exported weights, "
                         "or set validation=null")  # fmt: skip
-    if named := get_encoder(spec.name).condition_media:
-        raise UserError(f"validation: {spec.name} samples need {', '.join(named)} for every prompt, which validation "
-                        "prompts do not give; render samples after training from the exported weights, or set "
-                        "validation=null")  # fmt: skip
     takes = _call_parameters(spec)
     if v.negative_prompt is not None and "negative_prompt" not in takes:
         raise UserError(f"validation.negative_prompt: {spec.pipeline_class} takes no negative prompt; set it to null")
@@ -97,6 +94,7 @@ def check_validation(recipe: Recipe, spec: FamilySpec) -> None:
             raise UserError(f"{key}: no file {Path(p.image).expanduser().resolve()}; point it at an image file")
         if p.image is not None:
             _check_image(key, Path(p.image).expanduser())
+        _check_media(f"validation.prompts[{i}].media", p.media, get_encoder(spec.name).condition_media, spec)
     _check_size(recipe, spec)
 
 
@@ -111,6 +109,39 @@ def _check_image(key: str, path: Path) -> None:
         reason = (str(e).splitlines() or [""])[0][:160]
         raise UserError(f"{key}: {path.resolve()} is not an image PIL can read ({type(e).__name__}: {reason}); point "
                         "it at a PNG, JPEG or WebP file") from None  # fmt: skip
+
+
+def _check_media(key: str, media: dict[str, str], named: tuple[str, ...], spec: FamilySpec) -> None:
+    """A prompt's conditioning videos: exactly the family's named media, each a video file."""
+    from train.data.media import BadMediaError, probe
+
+    if missing := [n for n in named if n not in media]:
+        wanted = ", ".join(f"{n}: <video path>" for n in missing)
+        raise UserError(f"{key}: {spec.name} samples are conditioned on {list(named)} ({spec.pipeline_class}'s "
+                        f"arguments); give each prompt media: {{{wanted}}}")  # fmt: skip
+    if unknown := sorted(set(media) - set(named)):
+        raise UserError(f"{key}: {spec.name} takes no {unknown}; its conditioning media: {list(named) or 'none'}")
+    for name, path in media.items():
+        file = Path(path).expanduser()
+        if not file.is_file():
+            raise UserError(f"{key}.{name}: no file {file.resolve()}; point it at a video file")
+        try:
+            kind = probe(str(file)).kind
+        except BadMediaError as e:
+            raise UserError(f"{key}.{name}: {file.resolve()} is not a video PyAV can read ({e.detail})") from None
+        if kind != "video":
+            raise UserError(f"{key}.{name}: {file.resolve()} is an image; give a video of the sample's frames")
+
+
+def _video_frames(path: str) -> list:
+    """A conditioning video's every frame at its own size, as PIL images (the pipelines' `list[PIL.Image]`)."""
+    from PIL import Image
+
+    from train.data.media import Bucket, load_clip, probe
+
+    info = probe(path)
+    clip = load_clip(path, Bucket(info.num_frames, info.height, info.width), info=info)
+    return [Image.fromarray(frame.permute(1, 2, 0).numpy()) for frame in clip]
 
 
 def _check_size(recipe: Recipe, spec: FamilySpec) -> None:
@@ -232,6 +263,8 @@ class Validation:
             from PIL import Image
 
             kw["image"] = Image.open(Path(p.image).expanduser()).convert("RGB")
+        for name, path in p.media.items():
+            kw[name] = _video_frames(str(Path(path).expanduser()))
         if self.watchdog is not None and "callback_on_step_end" in takes:  # a long sample is progress, not a hang
 
             def beat(pipe, i, t, tensors):

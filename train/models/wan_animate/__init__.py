@@ -35,8 +35,9 @@ instead of zeros); later segments (segment i > 0 conditions on the last ``prev_s
 blanked face (the pipeline's default guidance 1.0 has none); the relighting LoRA of the original release. A clip
 longer than one segment is not split: train on clips of the segment length (77 frames). LoRA adapts the blocks'
 attention only (spec.py); the flow shift is 5.0 (Wan 2.2's animate sample_shift; set ``model.flow_shift`` if the
-Diffusers scheduler config differs). Validation samples are refused (the validation prompts give no pose or face
-video).
+Diffusers scheduler config differs). Validation samples: each prompt gives the reference image (``image``) and its
+``media: {pose_video: ..., face_video: ...}`` (train/validation.py), rendered by WanAnimatePipeline's defaults (77-frame
+segments).
 """
 
 from .encoder import WanAnimateEncoder as Encoder

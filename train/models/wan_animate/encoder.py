@@ -25,6 +25,7 @@ class WanAnimateEncoder(WanEncoder):
     name = "wan_animate"
     needs_reference = True
     condition_media = ("pose_video", "face_video")
+    validation_image = "required"  # the pipeline's `image`: the reference character (train/validation.py)
     fixed_text_tokens = 512
     default_geometry = Geometry("wan_animate", "video", 16, 4, 1)
 
