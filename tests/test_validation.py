@@ -323,6 +323,12 @@ def test_recipe_mistakes_are_one_line_errors(tmp_path: Path) -> None:
     cut = load_recipe(REPO / "recipes/tiny/wan_i2v.yaml", [f"model.pretrained_path={tmp_path}", image])
     with pytest.raises(UserError, match="cut.png is not an image PIL can read"):
         check_validation(cut, get_family("wan_i2v"))
+    # Kandinsky 5 I2V's decode renders NaN below 17 frames (5 latent frames after the first 4)
+    short = "validation={prompts: [{prompt: a, image: " + str(tmp_path / "ref.png") + "}], num_frames: 5}"
+    Image.new("RGB", (32, 32)).save(tmp_path / "ref.png")
+    k5 = load_recipe(REPO / "recipes/tiny/kandinsky5_i2v.yaml", [f"model.pretrained_path={tmp_path}", short])
+    with pytest.raises(UserError, match="validation.num_frames 5: Kandinsky5I2VPipeline renders NaN frames below 17"):
+        check_validation(k5, get_family("kandinsky5_i2v"))
     # Wan Animate's pose and face videos (media): all of them, only the family's, each a readable video
     Image.new("RGB", (32, 32)).save(tmp_path / "ref.png")
     text = tmp_path / "pose.mp4"

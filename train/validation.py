@@ -158,6 +158,10 @@ def _check_size(recipe: Recipe, spec: FamilySpec) -> None:
     problems = [names[p.split()[0]] + p[len(p.split()[0]) :] for p in geometry.problems(size)]
     if problems:
         raise UserError(f"{'; '.join(problems)} (rules from {geometry.source}); the pipeline would round it silently")
+    least = get_encoder(spec.name).validation_min_frames
+    if spec.latent_kind == "video" and frames < least:
+        raise UserError(f"validation.num_frames {frames}: {spec.pipeline_class} renders NaN frames below {least} "
+                        f"frames; set validation.num_frames to at least {least}")  # fmt: skip
 
 
 def sample_paths(output_dir: str | Path, step: int, count: int, latent_kind: str) -> list[Path]:

@@ -184,6 +184,9 @@ class FamilyEncoder(ABC):
     validation_image: Literal["required", "optional"] | None = None
     """Validation samples (train/validation.py): the pipeline's `image` argument, the conditioning image (the first
     frame of image-to-video, the input of editing), is required for every validation prompt, optional, or not taken."""
+    validation_min_frames: int = 1
+    """Validation samples (train/validation.py): the fewest frames the pipeline renders right (Kandinsky 5 I2V's
+    decode-time first-frame fix reads 5 latent frames after the first 4: 17 frames; fewer give NaN)."""
 
     def __init__(self) -> None:
         self.pipe: Any = None

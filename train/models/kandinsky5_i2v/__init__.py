@@ -19,7 +19,7 @@ checkpoint), the zero condition and a mask channel of 1 on latent frame 0, 0 els
 (B,) is one value for every frame, the clean one included, as the pipeline passes it. The loss is on frames 1..F-1.
 
 Not covered: the pipeline's ``normalize_first_frame`` (a decode-time statistics fix of the first 4 latent frames
-against the next 5; with fewer than 5 latent frames it gives NaN, so validation clips need at least 17 frames),
+against the next 5; with fewer than 5 latent frames it gives NaN, so validation refuses fewer than 17 frames),
 ``visual_cond`` images other than the zeros the pipeline passes, NABLA sparse attention, CFG and negative prompts in
 training, and what ``kandinsky5`` does not cover.
 """

@@ -17,6 +17,7 @@ class Kandinsky5I2VEncoder(Kandinsky5Encoder):
 
     name = "kandinsky5_i2v"
     validation_image = "required"  # the pipeline's `image`: its conditioning input (train/validation.py)
+    validation_min_frames = 17  # normalize_first_frame reads 5 latent frames after the first 4, else NaN
     default_geometry = Geometry("kandinsky5_i2v", "video", 16, 4, 1)
 
     def image_latents(self, pixels, generator, mode):
