@@ -63,8 +63,8 @@ LAUNCH: dict[str, tuple[int, tuple[str, ...]]] = {
     "wan22_i2v": (3, ("parallel.cp=3",)),
     # no text mask, one text length per batch: batch 1 × 2 micro-batches (as MiniMax-H3), at CP 3
     "kandinsky5": (3, ("parallel.cp=3", "train.batch_size=1", "train.grad_accum=2")),
-    # its image-to-video variant: the clean first latent frame (no noise, no loss), at the default CP 2
-    "kandinsky5_i2v": (2, ("parallel.cp=2", "train.batch_size=1", "train.grad_accum=2")),
+    # its image-to-video variant: the clean first latent frame (no noise, no loss), at CP 3
+    "kandinsky5_i2v": (3, ("parallel.cp=3", "train.batch_size=1", "train.grad_accum=2")),
     # Cosmos Predict 2.5: per-frame timestep, clean conditioning frames, its attn1 processor swap
     "cosmos": (3, ("parallel.cp=3",)),
     # Wan VACE: the control stream split beside the tokens (its hand plan), through the trainer at CP 3
