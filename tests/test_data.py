@@ -609,3 +609,27 @@ def test_prepare_minimax_h3_video_audio_and_text(tmp_path_factory):
     first = load_file(cut / short["samples"][0]["file"])
     torch.testing.assert_close(first["prompt_embeds"], ds[0]["prompt_embeds"][:16], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(first["audio_latents"], ds[0]["audio_latents"])
+
+
+def test_a_cache_records_the_columns_its_conditioning_media_came_from(tmp_path) -> None:
+    """Another reference or conditioning column is another cache: a resumed prepare that reads other columns is
+    refused (the default reference column is not recorded, so caches from before still resume)."""
+    from train.config import load_recipe
+    from train.prepare import _check_fingerprint, fingerprint
+
+    def recipe(family: str, *sets: str):
+        return load_recipe(REPO / f"recipes/tiny/{family}.yaml", ["model.pretrained_path=p", "data.source=s",
+                                                                  f"data.cache_dir={tmp_path}", *sets])  # fmt: skip
+
+    animate = recipe("wan_animate")
+    assert fingerprint(animate)["condition_columns"] == {"pose_video": "pose_video", "face_video": "face_video"}
+    assert "reference_column" not in fingerprint(animate) and "condition_columns" not in fingerprint(recipe("wan"))
+    (tmp_path / "prepare_config.json").write_text(json.dumps(fingerprint(animate)))
+    _check_fingerprint(tmp_path, animate)  # the same settings resume
+    for sets in (["data.condition_columns={pose_video: pose}"], ["data.reference_column=ref"]):
+        with pytest.raises(PrepareError, match="other settings"):
+            _check_fingerprint(tmp_path, recipe("wan_animate", *sets))
+    vace = fingerprint(recipe("wan_vace", "data.reference_column=c"))
+    (tmp_path / "prepare_config.json").write_text(json.dumps(vace))
+    with pytest.raises(PrepareError, match="reference_column: cache has 'c', now None"):
+        _check_fingerprint(tmp_path, recipe("wan_vace"))

@@ -109,7 +109,20 @@ def fingerprint(recipe: Recipe) -> dict[str, Any]:
         "cache_dtype": data.cache_dtype,
         "text_encoder_dtype": data.text_encoder_dtype,
         "allow_upscale": data.allow_upscale,
+        **_media_columns(recipe),
     }
+
+
+def _media_columns(recipe: Recipe) -> dict[str, Any]:
+    """The columns a family's conditioning media come from, where it reads any: another column is another cache.
+    The reference column only when it is not the default, so caches prepared before it was recorded still resume."""
+    encoder, data = get_encoder(recipe.model.family), recipe.data
+    out: dict[str, Any] = {}
+    if encoder.needs_reference and data.reference_column != "reference":
+        out["reference_column"] = data.reference_column
+    if encoder.condition_media:
+        out["condition_columns"] = data.condition_columns_of(encoder.condition_media)
+    return out
 
 
 def check_ready(recipe: Recipe) -> None:
@@ -435,7 +448,9 @@ def _check_fingerprint(cache: Path, recipe: Recipe) -> None:
     path = cache / "prepare_config.json"
     if path.is_file():
         old = json.loads(path.read_text())
-        diff = {k: (old.get(k), v) for k, v in fingerprint(recipe).items() if old.get(k) != v}
+        new = fingerprint(recipe)
+        keys = dict.fromkeys([*new, *(k for k in ("reference_column", "condition_columns") if k in old)])
+        diff = {k: (old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)}
         if diff:
             lines = [f"{k}: cache has {a!r}, now {b!r}" for k, (a, b) in diff.items()]
             raise PrepareError(
