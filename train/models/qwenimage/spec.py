@@ -8,7 +8,11 @@ from typing import Any
 import torch
 
 from train.models import Batch, Config, Shapes, Streams
-from train.models.spec import Classes, FamilySpec, Patch, ShiftSpec, output_tensors, sigma_identity
+from train.models.spec import Classes, FamilySpec, Patch, ShiftSpec, frozen, output_tensors, sigma_identity
+
+# Qwen/Qwen-Image scheduler/scheduler_config.json (relevant keys): the FlowMatchEulerDiscreteScheduler defaults but
+# these, dynamic shifting
+SCHEDULER_CONFIG = frozen(max_shift=0.9, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential")
 
 
 def unused_params(model_config: Config) -> tuple[str, ...]:
@@ -63,15 +67,7 @@ SPEC = FamilySpec(
     latent_kind="image",
     # train_dreambooth_lora_qwen_image.py default `--lora_layers`.
     lora_targets=("to_k", "to_q", "to_v", "to_out.0"),
-    # Qwen/Qwen-Image scheduler/scheduler_config.json (relevant keys): the FlowMatchEulerDiscreteScheduler defaults but
-    # these, dynamic shifting
-    shift=ShiftSpec.linear_mu(
-        "diffusers.pipelines.qwenimage.pipeline_qwenimage",
-        max_shift=0.9,
-        max_image_seq_len=8192,
-        shift_terminal=0.02,
-        time_shift_type="exponential",
-    ),
+    shift=ShiftSpec.linear_mu("diffusers.pipelines.qwenimage.pipeline_qwenimage", **SCHEDULER_CONFIG),
     build_inputs=build_inputs,
     unpack_output=unpack_output,
     timestep_from_sigma=sigma_identity,

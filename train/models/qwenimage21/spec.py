@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from train.models import Batch, Config, Shapes, Streams
+from train.models.qwenimage.spec import SCHEDULER_CONFIG as QWEN_IMAGE_SCHEDULER
 from train.models.spec import Classes, FamilySpec, Patch, ShiftSpec, frozen, output_tensors, sigma_identity
 
 # One image slot of the Qwen3-VL prompt stands for a 2x2 group of latent tokens (the transformer module's
@@ -68,13 +69,7 @@ SPEC = FamilySpec(
     # Qwen/Qwen-Image-2.1 scheduler/scheduler_config.json (relevant keys), as third-party copies of the released file
     # state it (not found verbatim from Qwen): Qwen-Image's values, dynamic shifting. Its model_index.json has no
     # sample_sigmas (Qwen-Image-2.1-Turbo's has, with a non-shifting scheduler: an inference schedule).
-    shift=ShiftSpec.linear_mu(
-        "diffusers.pipelines.qwenimage21.pipeline_qwenimage21",
-        max_shift=0.9,
-        max_image_seq_len=8192,
-        shift_terminal=0.02,
-        time_shift_type="exponential",
-    ),
+    shift=ShiftSpec.linear_mu("diffusers.pipelines.qwenimage21.pipeline_qwenimage21", **QWEN_IMAGE_SCHEDULER),
     build_inputs=build_inputs,
     unpack_output=unpack_output,
     timestep_from_sigma=sigma_identity,
