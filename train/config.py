@@ -561,6 +561,10 @@ class CheckpointConfig(Section):
     holds a run's state (then refused: train/rundir.py). `--resume` insists: nothing to resume is refused."""
     export: Literal["auto", "full", "lora", "none"] = "auto"
     """Final weights written to output_dir: auto = what was trained (lora adapters or the full transformer)."""
+    export_format: Literal["diffusers", "original", "both"] = "diffusers"
+    """Key format of an exported LoRA: diffusers = `lora/`, the diffusers/PEFT file `load_lora_weights` reads;
+    original = `lora_original/lora.safetensors`, the model authors' key names (what ComfyUI and their code read,
+    train/lora_format.py; the families with one: docs/interop.md); both = the two folders."""
     export_every_checkpoint: bool = False
     """Each checkpoint also holds the trained weights in the export format (`step_N/lora/`, the file a pipeline's
     `load_lora_weights` reads, or `step_N/transformer/`, a `from_pretrained` folder; and the EMA's beside them),
@@ -689,6 +693,11 @@ class Recipe(Section):
                      "(or lora / full), or export_every_checkpoint to false")])  # fmt: skip
         if self.ema is not None and self.ema.validation and self.validation is None:
             report([("ema.validation", "is true but there is no validation section to render with the EMA")])
+        exported = self.finetune.method if self.checkpoint.export == "auto" else self.checkpoint.export
+        if self.checkpoint.export_format != "diffusers" and exported == "full":
+            report([("checkpoint.export_format", f"is {self.checkpoint.export_format}, but full weights export in "
+                     "diffusers' layout only (a from_pretrained folder); set export_format: diffusers, or train "
+                     "finetune.method: lora")])  # fmt: skip
         if self.checkpoint.export == "lora" and self.finetune.method != "lora":
             report([("checkpoint.export", "is lora but finetune.method is full; use auto or full")])
         if self.checkpoint.export == "full" and self.finetune.fp8_base:

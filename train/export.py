@@ -34,8 +34,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from train.errors import UserError
+from train.lora_format import LoraFormat, peft_adapters, save_original, to_original
 
 # diffusers' names: diffusion_pytorch_model-00001-of-00003.safetensors, or diffusion_pytorch_model.safetensors alone
+ORIGINAL_LORA_FILE = "lora.safetensors"  # in <name>_original/: one file, as ComfyUI users copy it
 _SHARD_PATTERN = SAFETENSORS_WEIGHTS_NAME.replace(".safetensors", "{suffix}.safetensors")
 
 
@@ -206,21 +208,43 @@ def _full_state_dict(model: torch.nn.Module, trainable_only: bool) -> dict[str, 
     return get_model_state_dict(model, options=opts)
 
 
-def export_lora(model: torch.nn.Module, pipeline_class: str, out_dir: Path, name: str = "lora") -> Path | None:
+def export_lora(
+    model: torch.nn.Module, pipeline_class: str, out_dir: Path, name: str = "lora",
+    original: LoraFormat | None = None, diffusers_keys: bool = True,
+) -> list[Path]:  # fmt: skip
     """LoRA weights as `<out_dir>/<name>/pytorch_lora_weights.safetensors`, which `<Pipeline>.load_lora_weights(dir)`
-    accepts."""
+    accepts (`diffusers_keys`), and with `original` (the family's format, train/lora_format.py) the same adapters in
+    the model's original keys as `<out_dir>/<name>_original/lora.safetensors`, the file ComfyUI and the authors' code
+    read. Collective; each folder published whole."""
     from peft.utils import get_peft_model_state_dict
 
     state = _full_state_dict(model, trainable_only=True)
-    publish = _Publish(out_dir, name)
-    if dist.get_rank() == 0:
-        lora = get_peft_model_state_dict(model, state_dict=state)
-        pipeline = getattr(diffusers, pipeline_class)
-        if not hasattr(pipeline, "save_lora_weights"):  # no LoRA loader (HunyuanVideo15Pipeline in diffusers 0.42.1):
-            # the same transformer-only file, for `pipe.transformer.load_lora_adapter(dir, prefix="transformer")`
-            pipeline = diffusers.loaders.HunyuanVideoLoraLoaderMixin
-        metadata = model.peft_config["default"].to_dict()
-        publish.write(lambda: pipeline.save_lora_weights(publish.staging, transformer_lora_layers=lora,
-                                                         transformer_lora_adapter_metadata=metadata))  # fmt: skip
-    path = publish.finish()
-    return path
+    lora = get_peft_model_state_dict(model, state_dict=state) if dist.get_rank() == 0 else {}
+    paths = []
+    if diffusers_keys:
+        publish = _Publish(out_dir, name)
+        publish.write(write_diffusers_lora, model, lora, pipeline_class, publish.staging)
+        paths.append(publish.finish())
+    if original is not None:
+        publish = _Publish(out_dir, f"{name}_original")
+        publish.write(write_original_lora, model, lora, original, publish.staging)
+        paths.append(publish.finish())
+    return paths
+
+
+def write_diffusers_lora(model: torch.nn.Module, lora: dict[str, torch.Tensor], pipeline_class: str, folder: Path) -> None:
+    """`lora` (peft's state dict of `model`'s adapters) as the pipeline's `save_lora_weights` writes it, with the
+    adapter metadata (so `lora_alpha != r` reloads with the right scale)."""
+    pipeline = getattr(diffusers, pipeline_class)
+    if not hasattr(pipeline, "save_lora_weights"):  # no LoRA loader (HunyuanVideo15Pipeline in diffusers 0.42.1):
+        # the same transformer-only file, for `pipe.transformer.load_lora_adapter(dir, prefix="transformer")`
+        pipeline = diffusers.loaders.HunyuanVideoLoraLoaderMixin
+    metadata = model.peft_config["default"].to_dict()
+    pipeline.save_lora_weights(folder, transformer_lora_layers=lora, transformer_lora_adapter_metadata=metadata)
+
+
+def write_original_lora(model: torch.nn.Module, lora: dict[str, torch.Tensor], fmt: LoraFormat, folder: Path) -> None:
+    """`lora` in the family's original key format (train/lora_format.py) as `folder/lora.safetensors`."""
+    adapters = peft_adapters(lora, lambda m: model.get_submodule(m).scaling["default"])
+    state = to_original(fmt, adapters, lambda m: model.get_submodule(m).out_features)
+    save_original(fmt, state, folder / ORIGINAL_LORA_FILE)

@@ -461,7 +461,10 @@ def export_weights(recipe: Recipe, spec: FamilySpec, model: torch.nn.Module, out
     for suffix, weights in (("", nullcontext), *([("_ema", ema.swapped)] if ema is not None else [])):
         with weights():
             if kind == "lora":
-                written.append(export_lora(model, spec.pipeline_class, out_dir, name=f"lora{suffix}"))
+                keys = recipe.checkpoint.export_format  # diffusers, original (the family's, train/lora_format.py), both
+                written += export_lora(model, spec.pipeline_class, out_dir, name=f"lora{suffix}",
+                                       original=spec.lora_format if keys != "diffusers" else None,
+                                       diffusers_keys=keys != "original")  # fmt: skip
             elif kind == "full":
                 full = export_full(model, out_dir, name=f"transformer{suffix}")
                 written.append(full.path)

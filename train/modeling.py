@@ -87,9 +87,23 @@ def check_model(recipe: Recipe, spec: FamilySpec) -> None:
         with init_empty_weights(include_buffers=False):
             meta = cls.from_config(config)
         check_weights(folder, {k: tuple(t.shape) for k, t in meta.state_dict().items()})
+    if recipe.checkpoint.export_format != "diffusers" and recipe.finetune.method == "lora":
+        check_export_format(recipe, spec)
     shapes = _sample_shapes(recipe, spec)  # reads the cache's manifest: a missing cache is named here, early
     if recipe.parallel.cp > 1:
         check_tokens(recipe.parallel.cp, spec, shapes, config)
+
+
+def check_export_format(recipe: Recipe, spec: FamilySpec) -> None:
+    """An original-format LoRA export (`checkpoint.export_format`) the family can write: it has a format, and the
+    format names every module the recipe adapts (found on a meta model: no memory)."""
+    from .lora_format import check_format
+
+    model = meta_transformer(recipe.model, spec)
+    apply_finetune(model, recipe.finetune, spec, recipe.train.master_weights)
+    modules = [n.removesuffix(".lora_A.default.weight") for n, _ in model.named_parameters()
+               if n.endswith(".lora_A.default.weight")]  # fmt: skip
+    check_format(spec.lora_format, spec.name, modules)
 
 
 def _sample_shapes(recipe: Recipe, spec: FamilySpec) -> dict[str, dict[str, Any]]:

@@ -50,6 +50,8 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
+from train.lora_format import LoraFormat
+
 PRIMARY_STREAM = "latents"
 
 Batch = Mapping[str, Any]  # a collated cache batch: cache key -> (B, ...) tensor
@@ -337,6 +339,9 @@ class FamilySpec:
     # describe, so its samples run without it ({"use_kv_cache": False}; the cache is exact, so the samples are the
     # same). Empty: the pipeline's defaults.
     validation_kwargs: Mapping[str, Any] = field(default_factory=frozen)
+    # The LoRA key format of the model authors' checkpoint (what ComfyUI and their code read), for
+    # checkpoint.export_format original / both (train/lora_format.py); None: diffusers' keys only.
+    lora_format: LoraFormat | None = None
 
     def __post_init__(self) -> None:
         if self.latent_kind not in ("image", "video"):

@@ -7,6 +7,7 @@ from typing import Any
 
 from train.models import Batch, Config, Streams
 from train.models.spec import Classes, FamilySpec, ShiftSpec, frozen
+from train.models.wan.lora_format import FORMAT
 
 
 def unipc_flow_shift(flow_shift: float) -> ShiftSpec:
@@ -34,6 +35,7 @@ SPEC = FamilySpec(
     shift=unipc_flow_shift(3.0),
     build_inputs=build_inputs,
     batch_keys=("latents", "prompt_embeds"),
+    lora_format=FORMAT,
     # The defaults: LoRA on the attention projections of self- and cross-attention (`attn1` / `attn2`), as the
     # diffusers/finetrainers Wan LoRA recipes; timestep sigma * 1000; the transformer patchifies the latents itself,
     # (1, 2, 2) patches of (F, H, W) (`patch`: the config's patch_size), and returns the prediction in their layout.

@@ -33,4 +33,6 @@ SPEC = dataclasses.replace(
     classes=wan.SPEC.classes._replace(transformer="WanVACETransformer3DModel", pipeline="WanVACEPipeline"),
     build_inputs=build_inputs,
     batch_keys=("latents", "prompt_embeds", "control_latents"),
+    # diffusers' Wan converter names no VACE layer (`vace_blocks`): no original format is proven for it
+    lora_format=None,
 )

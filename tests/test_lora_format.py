@@ -1,0 +1,151 @@
+"""LoRA files in the model's original key format, proven by diffusers' own converters.
+
+For every family with a format (`FamilySpec.lora_format`, train/lora_format.py): a tiny transformer with trained-like
+adapters (random A and B, alpha != rank) is exported both ways by the exporter's own writers. The original-format
+file is then read by the family's pipeline class as a user loads it (`load_lora_weights`: diffusers'
+`lora_conversion_utils` converter for those keys), into a fresh transformer, and so is the diffusers-format file into
+another. Asserted: the converter consumes every key (it raises on leftovers, and peft reports no unexpected or
+missing keys), every adapted layer's weight update s * B @ A is the same in both (a fused layer split back exactly;
+zero blocks load as zero updates), and the transformer's output on the family's pipeline-form inputs is equal
+(fp32, <= 1e-6 relative).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from pathlib import Path
+
+import diffusers
+import pytest
+import torch
+
+from train.config import FinetuneConfig
+from train.export import ORIGINAL_LORA_FILE, write_diffusers_lora, write_original_lora
+from train.lora_format import LoraFormat, Rename, check_format, to_original
+from train.modeling import apply_finetune
+from train.tools.oracle import forward
+from train.tools.tiny_models import FAMILY_NAMES, build_model, family_case, get_family
+
+FORMATS = [n for n in FAMILY_NAMES if get_family(n).lora_format is not None]
+RANK, ALPHA = 4, 8.0  # scale 2: the alpha tensors matter
+
+
+def _adapted(family: str, seed: int = 0) -> torch.nn.Module:
+    """The tiny transformer with the family's default LoRA targets, A and B random (B = 0 would prove nothing)."""
+    spec = get_family(family)
+    model = build_model(family, seed=0)
+    apply_finetune(model, FinetuneConfig(lora_rank=RANK, lora_alpha=ALPHA), spec, "fp32")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model
+
+
+def _load(family: str, lora: Path) -> tuple[torch.nn.Module, list[str]]:
+    """A fresh tiny transformer with `lora` loaded through the family's pipeline as a user loads it; the warnings
+    diffusers and peft logged. A pipeline built with its other components None where its constructor allows; else
+    (a constructor that needs its processor) the same class's `lora_state_dict` + `load_lora_into_transformer`, the
+    two calls its `load_lora_weights` makes."""
+    cls = getattr(diffusers, get_family(family).pipeline_class)
+    transformer = build_model(family, seed=0)
+    records: list[str] = []
+    handler = logging.Handler(level=logging.WARNING)
+    handler.emit = lambda r: records.append(r.getMessage())
+    loggers = [logging.getLogger(n) for n in ("diffusers", "peft")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    try:
+        params = inspect.signature(cls.__init__).parameters
+        try:
+            pipe = cls(**{n: None for n, p in params.items() if n != "self" and p.default is inspect._empty} |
+                       {"transformer": transformer})  # fmt: skip
+        except (AttributeError, TypeError):
+            pipe = None
+        if pipe is not None:
+            pipe.load_lora_weights(lora)
+        else:
+            state, metadata = cls.lora_state_dict(lora, return_lora_metadata=True)
+            cls.load_lora_into_transformer(state, transformer=transformer, metadata=metadata)
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+    return transformer, records
+
+
+def _updates(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each LoRA layer's weight update s * B @ A (every adapter of the layer)."""
+    out = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A") and len(module.lora_A):
+            out[name] = sum(module.scaling[a] * module.lora_B[a].weight @ module.lora_A[a].weight
+                            for a in module.lora_A)  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("family", FORMATS)
+def test_original_format_loads_through_diffusers_converter(family: str, tmp_path: Path) -> None:
+    spec = get_family(family)
+    model = _adapted(family)
+    from peft.utils import get_peft_model_state_dict
+
+    lora = get_peft_model_state_dict(model)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "o").mkdir()
+    write_diffusers_lora(model, lora, spec.pipeline_class, tmp_path / "d")
+    write_original_lora(model, lora, spec.lora_format, tmp_path / "o")
+    from safetensors.torch import load_file
+
+    keys = list(load_file(tmp_path / "o" / ORIGINAL_LORA_FILE))
+    assert not any(".lora_A." in k or k.startswith("transformer.") for k in keys) or spec.lora_format.down == "lora_A"
+
+    reference, _ = _load(family, tmp_path / "d")
+    loaded, warned = _load(family, tmp_path / "o")
+    bad = [w for w in warned if any(s in w.lower() for s in ("unexpected", "missing", "not loaded", "were not"))]
+    assert not bad, bad
+    ours, theirs = _updates(reference), _updates(loaded)
+    assert set(ours) <= set(theirs), sorted(set(ours) - set(theirs))[:5]
+    for name, delta in theirs.items():
+        expected = ours.get(name, torch.zeros_like(delta))
+        torch.testing.assert_close(delta, expected, rtol=1e-6, atol=1e-7, msg=name)
+
+    inputs = family_case(family, seed=1, dtype=torch.float32, batch_size=2)
+    with torch.no_grad():
+        a = torch.cat([t.flatten() for t in _outputs(forward(reference.eval(), inputs))])
+        b = torch.cat([t.flatten() for t in _outputs(forward(loaded.eval(), inputs))])
+    assert (a - b).abs().max() <= 1e-6 * a.abs().max(), (a - b).abs().max()
+
+
+def _outputs(out) -> list[torch.Tensor]:
+    from train.models.spec import output_tensors
+
+    return list(output_tensors(out))
+
+
+def test_fused_layer_is_block_diagonal_and_exact() -> None:
+    """Parts of one fused layer: A stacked, B block-diagonal, a part without adapter a zero block of the same rank,
+    different scales folded into B (alpha = rank); the fused product is each part's s * B @ A."""
+    fmt = LoraFormat("t", (Rename("b.{0}.q", "x.{0}.qkv", 0, 3), Rename("b.{0}.k", "x.{0}.qkv", 1, 3),
+                           Rename("b.{0}.v", "x.{0}.qkv", 2, 3)))  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    a_q, b_q, a_k, b_k = (torch.randn(s, generator=gen) for s in ((2, 5), (3, 2), (2, 5), (4, 2)))
+    out = to_original(fmt, {"b.7.q": (a_q, b_q, 2.0), "b.7.k": (a_k, b_k, 0.5)}, lambda m: {"b.7.v": 6}[m])
+    down, up = out["diffusion_model.x.7.qkv.lora_down.weight"], out["diffusion_model.x.7.qkv.lora_up.weight"]
+    alpha = out["diffusion_model.x.7.qkv.alpha"].item()
+    assert down.shape == (6, 5) and up.shape == (13, 6) and alpha == 6.0
+    fused = alpha / down.shape[0] * up @ down
+    torch.testing.assert_close(fused[:3], 2.0 * b_q @ a_q)
+    torch.testing.assert_close(fused[3:7], 0.5 * b_k @ a_k)
+    assert not fused[7:].any()
+
+
+def test_unnamed_module_or_family_without_format_is_one_line() -> None:
+    from train.errors import UserError
+
+    fmt = get_family("wan").lora_format
+    with pytest.raises(UserError, match=r"1 adapted module\(s\) of wan have no name.*vace_blocks.0.attn1.to_q"):
+        check_format(fmt, "wan", ["blocks.0.attn1.to_q", "vace_blocks.0.attn1.to_q"])
+    with pytest.raises(UserError, match="hunyuan_video15 has no original LoRA key format"):
+        check_format(None, "hunyuan_video15", ["x"])
