@@ -462,7 +462,9 @@ def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 180,
         time.sleep(0.05)
 
 
-def first_step(recipe: str | Path, *overrides: str, dtype: torch.dtype | None = None, dp: int = 1) -> dict[str, float]:
+def first_step(
+    recipe: str | Path, *overrides: str, dtype: torch.dtype | None = None, dp: int = 1, model: torch.nn.Module = None
+) -> dict[str, float]:
     """The serial reference of a run's FIRST optimizer step, in this process, with the trainer's own pieces and no
     CP, FSDP or launcher: the whole model as one process starts it (`train.modeling.whole_model`), each data-parallel
     rank's batches (`make_batches(dp_rank=r, dp_size=dp)`: CP peers share one stream, so CP changes nothing), the
@@ -470,7 +472,8 @@ def first_step(recipe: str | Path, *overrides: str, dtype: torch.dtype | None = 
     micro-batch's loss scaled by 1 / (grad_accum × dp) so the gradients accumulate to the trainer's MEAN over data
     parallelism. Returns its loss (the mean over micro-batches and groups, as logged) and the global norm of the
     gradients of every trainable parameter (before clipping, as logged). `dtype` (float64) casts the model and the
-    batches: the exact reference."""
+    batches: the exact reference. `model`: another serial model in its place (its trainable parameters: those with
+    requires_grad), e.g. a pipeline's transformer with a LoRA loaded by diffusers."""
     from train.config import load_recipe
     from train.data.batches import build_dataset, make_batches
     from train.finetune import autocast_dtype, micro_batches
@@ -480,7 +483,7 @@ def first_step(recipe: str | Path, *overrides: str, dtype: torch.dtype | None = 
 
     r = load_recipe(REPO / recipe if not Path(recipe).is_absolute() else recipe, list(overrides))
     t, spec, cpu = r.train, family_spec(r.model), torch.device("cpu")
-    model, dataset = whole_model(r, spec), build_dataset(r, spec, cache_reads(spec.name))
+    model, dataset = model if model is not None else whole_model(r, spec), build_dataset(r, spec, cache_reads(spec.name))
     if dtype is not None:
         model.to(dtype)
     objective, amp, loss = Objective.of(r, spec), None if dtype else autocast_dtype(t.mixed_precision, cpu), 0.0

@@ -373,6 +373,10 @@ class FinetuneConfig(Section):
     """Dropout on the LoRA input, in [0, 1)."""
     lora_targets: list[str] | None = None
     """Module names (peft target_modules) that get adapters; null = the family's default targets."""
+    init_lora: str | None = None
+    """Start from an existing adapter instead of B = 0: a LoRA .safetensors file or folder in diffusers/PEFT keys or
+    the original / ComfyUI / kohya keys the family's pipeline reads (its `load_lora_weights` converters); its own
+    ranks, alphas and targets are used (so lora_rank, lora_alpha and lora_targets are not set with it)."""
     fp8_base: bool = False
     """LoRA: store the frozen linear weights of the transformer blocks in float8 e4m3 with one power-of-two scale per
     output channel (train/fp8.py), upcast one matmul at a time: those weights take 1 byte per value instead of 2 (bf16),
@@ -392,6 +396,10 @@ class FinetuneConfig(Section):
             problems.append(("lora_dropout", f"must be in [0, 1), got {self.lora_dropout}"))
         if self.lora_targets is not None and not self.lora_targets:
             problems.append(("lora_targets", "is empty; list module names, or null for the family's defaults"))
+        if self.init_lora is not None:
+            problems += [(k, f"is set, but init_lora {self.init_lora} brings its own ranks, alphas and targets; drop "
+                          f"finetune.{k}") for k in ("lora_rank", "lora_alpha", "lora_targets")
+                         if k in self.model_fields_set]  # fmt: skip
         report(problems)
         return self
 

@@ -232,7 +232,9 @@ def export_lora(
     return paths
 
 
-def write_diffusers_lora(model: torch.nn.Module, lora: dict[str, torch.Tensor], pipeline_class: str, folder: Path) -> None:
+def write_diffusers_lora(
+    model: torch.nn.Module, lora: dict[str, torch.Tensor], pipeline_class: str, folder: Path
+) -> None:
     """`lora` (peft's state dict of `model`'s adapters) as the pipeline's `save_lora_weights` writes it, with the
     adapter metadata (so `lora_alpha != r` reloads with the right scale)."""
     pipeline = getattr(diffusers, pipeline_class)

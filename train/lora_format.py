@@ -41,6 +41,9 @@ class Rename:
     parts: int = 1
     # False: no alpha tensor for this layer (its loader would not consume one): the scale is folded into up
     alpha: bool = True
+    # the original's outputs are the diffusers module's in len(rows) equal chunks, in this order (an AdaLN's
+    # (shift, scale) where diffusers has (scale, shift): (1, 0)); () keeps them
+    rows: tuple[int, ...] = ()
 
     @cached_property
     def regex(self) -> re.Pattern:
@@ -121,6 +124,8 @@ def to_original(
         found = fmt.original_of(module)
         assert found is not None, module  # check_format refused it before training
         rename, numbers = found
+        if rename.rows:
+            b = torch.cat([b.chunk(len(rename.rows))[i] for i in rename.rows])
         layer = layers.setdefault(rename.fill(rename.original, numbers), _Layer(rename.parts, numbers=numbers))
         layer.members[rename.part] = (a, b, scale)
         layer.renames[rename.part] = rename
@@ -140,7 +145,9 @@ def to_original(
     return out
 
 
-def _fuse(layer: _Layer, siblings: dict, out_features: Callable[[str], int]) -> tuple[torch.Tensor, torch.Tensor, float]:
+def _fuse(
+    layer: _Layer, siblings: dict, out_features: Callable[[str], int]
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """One original layer's (down, up, alpha) from its parts' adapters (see the module docstring)."""
     if layer.parts == 1:
         a, b, scale = layer.members[0]

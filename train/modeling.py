@@ -87,20 +87,24 @@ def check_model(recipe: Recipe, spec: FamilySpec) -> None:
         with init_empty_weights(include_buffers=False):
             meta = cls.from_config(config)
         check_weights(folder, {k: tuple(t.shape) for k, t in meta.state_dict().items()})
-    if recipe.checkpoint.export_format != "diffusers" and recipe.finetune.method == "lora":
-        check_export_format(recipe, spec)
+    if recipe.finetune.method == "lora" and (
+        recipe.finetune.init_lora or recipe.checkpoint.export_format != "diffusers"
+    ):
+        check_adapters(recipe, spec)
     shapes = _sample_shapes(recipe, spec)  # reads the cache's manifest: a missing cache is named here, early
     if recipe.parallel.cp > 1:
         check_tokens(recipe.parallel.cp, spec, shapes, config)
 
 
-def check_export_format(recipe: Recipe, spec: FamilySpec) -> None:
-    """An original-format LoRA export (`checkpoint.export_format`) the family can write: it has a format, and the
-    format names every module the recipe adapts (found on a meta model: no memory)."""
+def check_adapters(recipe: Recipe, spec: FamilySpec) -> None:
+    """On a meta model (no memory): `finetune.init_lora` fits it (read_init_lora), and an original-format LoRA export
+    (`checkpoint.export_format`) is one the family can write: it has a format that names every adapted module."""
     from .lora_format import check_format
 
     model = meta_transformer(recipe.model, spec)
-    apply_finetune(model, recipe.finetune, spec, recipe.train.master_weights)
+    apply_finetune(model, recipe.finetune, spec, recipe.train.master_weights, init_adapter(recipe, spec, model))
+    if recipe.checkpoint.export_format == "diffusers":
+        return
     modules = [n.removesuffix(".lora_A.default.weight") for n, _ in model.named_parameters()
                if n.endswith(".lora_A.default.weight")]  # fmt: skip
     check_format(spec.lora_format, spec.name, modules)
@@ -187,7 +191,76 @@ def cast_master(model: torch.nn.Module, master_weights: str) -> None:
         p.data = p.data.to(torch.bfloat16)
 
 
-def apply_finetune(model: torch.nn.Module, cfg: FinetuneConfig, spec: FamilySpec, master_weights: str) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class InitAdapter:
+    """`finetune.init_lora` as its family's pipeline reads it: the peft config `load_lora_weights` would build for it
+    (rank, alpha and targets per module) and each adapter tensor under our parameter name."""
+
+    config: Any
+    values: dict[str, torch.Tensor]
+
+
+def read_init_lora(path: str, spec: FamilySpec, model: torch.nn.Module) -> InitAdapter:
+    """Read an existing adapter (a diffusers/PEFT folder or file, or the original / ComfyUI / kohya keys) with the
+    family pipeline's own `lora_state_dict` (diffusers' converters, what `load_lora_weights` runs) and the config
+    diffusers builds from it; every tensor is checked against `model` (meta is enough). A file diffusers cannot read
+    for this family, a module the model lacks or a shape that does not fit: one line naming the first bad key."""
+    from diffusers.utils.peft_utils import _create_lora_config
+
+    file = Path(path).expanduser()
+    if not file.exists():
+        raise UserError(f"finetune.init_lora: {file} does not exist; point it at a LoRA .safetensors file or folder")
+    cls = getattr(diffusers, spec.pipeline_class)
+    if not hasattr(cls, "lora_state_dict"):  # HunyuanVideo15Pipeline: its transformer-only files read as these
+        cls = diffusers.loaders.HunyuanVideoLoraLoaderMixin
+    try:
+        state, metadata = cls.lora_state_dict(str(file), return_lora_metadata=True)
+    except Exception as e:  # noqa: BLE001 — the converters raise ValueError, KeyError, IndexError on foreign keys
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise UserError(f"finetune.init_lora: {file} is not a LoRA {cls.__name__} reads ({type(e).__name__}: "
+                        f"{reason}); is it an adapter of model.family {spec.name}?") from None  # fmt: skip
+    if isinstance(state, tuple):  # mixins that also return network alphas
+        state = state[0]
+    prefix = "transformer."
+    adapter = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+    if not adapter:
+        raise UserError(f"finetune.init_lora: {file} holds no transformer adapter (keys like {list(state)[:2]})")
+    metadata = {k.removeprefix(prefix): v for k, v in (metadata or {}).items() if k.startswith(prefix)} or None
+    modules = dict(model.named_modules())
+    rank = {}
+    for key, value in adapter.items():
+        module, _, kind = key.rpartition(".lora_")
+        layer = modules.get(module)
+        if kind not in ("A.weight", "B.weight") or not isinstance(layer, torch.nn.Linear):
+            what = (
+                f"has no linear layer {module!r}" if kind in ("A.weight", "B.weight") else f"cannot start from {kind!r}"
+            )
+            raise UserError(f"finetune.init_lora: {file}: the first bad key is {prefix}{key}: "
+                            f"{type(model).__name__} {what} (another model's adapter, or LoRA bias/DoRA)")  # fmt: skip
+        partner = adapter.get(f"{module}.lora_{'B' if kind[0] == 'A' else 'A'}.weight")
+        r = value.shape[0] if kind[0] == "A" else value.shape[-1]
+        fits = (value.shape == (r, layer.in_features)) if kind[0] == "A" else (value.shape == (layer.out_features, r))
+        if not fits or partner is None or (partner.shape[0] if kind[0] == "B" else partner.shape[-1]) != r:
+            expect = f"({r}, {layer.in_features})" if kind[0] == "A" else f"({layer.out_features}, {r})"
+            raise UserError(f"finetune.init_lora: {file}: the first bad key is {prefix}{key}: shape "
+                            f"{tuple(value.shape)}, {module} of {type(model).__name__} takes {expect} with its "
+                            f"{'lora_B' if kind[0] == 'A' else 'lora_A'} of rank {r}: an adapter of another model "
+                            "size?")  # fmt: skip
+        if kind[0] == "B":
+            rank[f"^{key}"] = r
+    config = _create_lora_config(adapter, None, metadata, rank, model_state_dict=model.state_dict(),
+                                 adapter_name="default")  # fmt: skip
+    values = {f"{k.rpartition('.')[0]}.default.weight": v for k, v in adapter.items()}
+    return InitAdapter(config, values)
+
+
+def apply_finetune(
+    model: torch.nn.Module,
+    cfg: FinetuneConfig,
+    spec: FamilySpec,
+    master_weights: str,
+    adapter: InitAdapter | None = None,
+) -> list[str]:
     """Full: every parameter trains, in `master_weights` (cast_master). LoRA: the base is frozen, adapters train in
     fp32 (bf16 with master_weights: bf16); with `fp8_base` the blocks' frozen linear weights become float8 first
     (train/fp8.py: quantized from their values, or meta on a meta model), then peft wraps them. Works on a meta model
@@ -201,10 +274,13 @@ def apply_finetune(model: torch.nn.Module, cfg: FinetuneConfig, spec: FamilySpec
         model.requires_grad_(False)
         if cfg.fp8_base:
             fp8.convert(repeated_blocks(model))
-        targets = list(cfg.lora_targets or spec.lora_targets)
-        check_lora_targets(model, targets)
-        config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                            target_modules=targets, init_lora_weights=True)  # fmt: skip
+        if adapter is not None:  # finetune.init_lora: the adapter's own ranks, alphas and targets
+            config = adapter.config
+        else:
+            targets = list(cfg.lora_targets or spec.lora_targets)
+            check_lora_targets(model, targets)
+            config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                target_modules=targets, init_lora_weights=True)  # fmt: skip
         # peft makes each adapter on the default device, initialises it, then moves it to its base layer's device: on
         # a meta model, make them on meta (a 14B model's 320 adapters: ~4 s of CPU init for values never read)
         meta = next(model.parameters()).is_meta
@@ -214,7 +290,22 @@ def apply_finetune(model: torch.nn.Module, cfg: FinetuneConfig, spec: FamilySpec
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.to(dtype)
+        if adapter is not None:
+            lora = {n for n, p in model.named_parameters() if ".lora_" in n}
+            if lora != set(adapter.values):  # the config built from the file adapts exactly its modules
+                odd = sorted(lora ^ set(adapter.values))[:2]
+                raise UserError(f"finetune.init_lora: its config adapts {odd}, which the file holds no tensors "
+                                "for (or the reverse); re-export the adapter")  # fmt: skip
     return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def initial_adapters(model: torch.nn.Module, adapter: InitAdapter | None, seed: int) -> dict[str, torch.Tensor]:
+    """The adapters' starting values, whole on CPU: `finetune.init_lora`'s tensors (in the trained dtype), else the
+    seeded `lora_init`."""
+    if adapter is None:
+        return lora_init(model, seed)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    return {n: v.to(dtypes[n]).cpu() for n, v in adapter.values.items()}
 
 
 def check_lora_targets(model: torch.nn.Module, targets: list[str]) -> None:
@@ -375,14 +466,21 @@ def _load_pretrained_shards(model: torch.nn.Module, folder: Path, dtype: torch.d
                     (param.to_local() if hasattr(param, "to_local") else param).copy_(v)
 
 
+def init_adapter(recipe: Recipe, spec: FamilySpec, model: torch.nn.Module) -> InitAdapter | None:
+    """`finetune.init_lora` read for `model` (before its adapters are added), or None."""
+    path = recipe.finetune.init_lora if recipe.finetune.method == "lora" else None
+    return None if path is None else read_init_lora(path, spec, model)
+
+
 def whole_model(recipe: Recipe, spec: FamilySpec) -> torch.nn.Module:
     """The trainable transformer whole, as one process starts it: loaded (or randomly initialised), LoRA or full,
     the adapters at their seeded initial values. The start of every run without the sharded start, and the serial
     reference runs compare with (tests/harness.py `first_step`)."""
     model = load_transformer(recipe.model, spec, seed=recipe.train.seed)
-    apply_finetune(model, recipe.finetune, spec, recipe.train.master_weights)
+    adapter = init_adapter(recipe, spec, model)
+    apply_finetune(model, recipe.finetune, spec, recipe.train.master_weights, adapter)
     with torch.no_grad():
-        for name, value in lora_init(model, seed=recipe.train.seed).items():
+        for name, value in initial_adapters(model, adapter, seed=recipe.train.seed).items():
             model.get_parameter(name).copy_(value)
     return model
 
@@ -395,8 +493,9 @@ def build_model(
     cfg, t, sharded = recipe.model, recipe.train, recipe.model.sharded_load and recipe.parallel.fsdp
     if sharded:
         model = meta_transformer(cfg, spec)
-        apply_finetune(model, recipe.finetune, spec, recipe.train.master_weights)
-        lora = lora_init(model, seed=t.seed)
+        adapter = init_adapter(recipe, spec, model)
+        apply_finetune(model, recipe.finetune, spec, recipe.train.master_weights, adapter)
+        lora = initial_adapters(model, adapter, seed=t.seed)
     else:  # whole on every rank, adapters set: parallelize checks every rank holds the same
         model, lora = whole_model(recipe, spec).to(device), {}
     folder = pretrained_folder(cfg) if sharded and cfg.init_config is None else None

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from train.models import Batch, Config, Shapes, Streams
+from train.models.flux.lora_format import FORMAT
 from train.models.spec import Classes, FamilySpec, Patch, ShiftSpec, batch_guidance, output_tensors, sigma_identity
 
 # FluxPipeline.__call__ default `guidance_scale`.
@@ -63,4 +64,5 @@ SPEC = FamilySpec(
     shift_seq_len=shift_seq_len,
     batch_keys=("latents", "prompt_embeds", "pooled_embeds"),
     # No text mask: FluxPipeline lets the T5 padding tokens be attended.
+    lora_format=FORMAT,
 )

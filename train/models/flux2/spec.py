@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from train.models import Batch, Config, Shapes, Streams
+from train.models.flux2.lora_format import FORMAT
 from train.models.spec import (
     Classes,
     FamilySpec,
@@ -79,4 +80,5 @@ SPEC = FamilySpec(
     patch=Patch((1, 1)),  # the cache is already 2x2-patchified: one token per position
     shift_seq_len=shift_seq_len,
     batch_keys=("latents", "prompt_embeds"),
+    lora_format=FORMAT,
 )

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from train.models import Batch, Config, Shapes, Streams
+from train.models.ltx.lora_format import FORMAT
 from train.models.spec import Classes, FamilySpec, Patch, ShiftSpec, output_tensors, uniform_value
 
 # LTXPipeline defaults: AutoencoderKLLTXVideo compression ratios and `frame_rate`.
@@ -70,6 +71,7 @@ def shift_seq_len(latents_shape: Sequence[int]) -> int:
 
 
 SPEC = FamilySpec(
+    lora_format=FORMAT,
     name="ltx",
     classes=Classes("LTXVideoTransformer3DModel", "LTXPipeline", "AutoencoderKLLTXVideo"),
     latent_kind="video",

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from train.models import Batch, Config, Shapes, Streams
+from train.models.qwenimage.lora_format import FORMAT
 from train.models.spec import Classes, FamilySpec, Patch, ShiftSpec, frozen, output_tensors, sigma_identity
 
 # Qwen/Qwen-Image scheduler/scheduler_config.json (relevant keys): the FlowMatchEulerDiscreteScheduler defaults but
@@ -62,6 +63,7 @@ def shift_seq_len(latents_shape: Sequence[int]) -> int:
 
 
 SPEC = FamilySpec(
+    lora_format=FORMAT,
     name="qwenimage",
     classes=Classes("QwenImageTransformer2DModel", "QwenImagePipeline", "AutoencoderKLQwenImage"),
     latent_kind="image",

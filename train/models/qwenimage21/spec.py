@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from train.models import Batch, Config, Shapes, Streams
+from train.models.qwenimage.lora_format import FORMAT
 from train.models.qwenimage.spec import SCHEDULER_CONFIG as QWEN_IMAGE_SCHEDULER
 from train.models.spec import Classes, FamilySpec, Patch, ShiftSpec, frozen, output_tensors, sigma_identity
 
@@ -64,6 +65,7 @@ def shift_seq_len(latents_shape: Sequence[int]) -> int:
 
 SPEC = FamilySpec(
     name="qwenimage21",
+    lora_format=FORMAT,  # Qwen-Image's: the pipeline's QwenImageLoraLoaderMixin reads it
     classes=Classes("QwenImage21Transformer2DModel", "QwenImage21Pipeline", "AutoencoderKLQwenImage21"),
     latent_kind="image",
     # Qwen/Qwen-Image-2.1 scheduler/scheduler_config.json (relevant keys), as third-party copies of the released file

@@ -19,6 +19,7 @@ from train.models.spec import (
     one_minus_sigma,
     output_tensors,
 )
+from train.models.zimage.lora_format import FORMAT
 
 
 def build_inputs(batch: Batch, noisy_latents: Streams, timesteps: Streams, *, model_config: Config) -> dict[str, Any]:
@@ -43,6 +44,7 @@ def attention_shape(config: Config) -> tuple[int, int]:
 
 
 SPEC = FamilySpec(
+    lora_format=FORMAT,
     name="zimage",
     classes=Classes("ZImageTransformer2DModel", "ZImagePipeline", "AutoencoderKL"),
     latent_kind="image",
