@@ -483,7 +483,8 @@ def first_step(
 
     r = load_recipe(REPO / recipe if not Path(recipe).is_absolute() else recipe, list(overrides))
     t, spec, cpu = r.train, family_spec(r.model), torch.device("cpu")
-    model, dataset = model if model is not None else whole_model(r, spec), build_dataset(r, spec, cache_reads(spec.name))
+    model = model if model is not None else whole_model(r, spec)
+    dataset = build_dataset(r, spec, cache_reads(spec.name))
     if dtype is not None:
         model.to(dtype)
     objective, amp, loss = Objective.of(r, spec), None if dtype else autocast_dtype(t.mixed_precision, cpu), 0.0
