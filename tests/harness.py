@@ -463,7 +463,8 @@ def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 180,
 
 
 def first_step(
-    recipe: str | Path, *overrides: str, dtype: torch.dtype | None = None, dp: int = 1, model: torch.nn.Module = None
+    recipe: str | Path, *overrides: str, dtype: torch.dtype | None = None, dp: int = 1, model: torch.nn.Module = None,
+    step: int = 0,
 ) -> dict[str, float]:
     """The serial reference of a run's FIRST optimizer step, in this process, with the trainer's own pieces and no
     CP, FSDP or launcher: the whole model as one process starts it (`train.modeling.whole_model`), each data-parallel
@@ -473,7 +474,8 @@ def first_step(
     parallelism. Returns its loss (the mean over micro-batches and groups, as logged) and the global norm of the
     gradients of every trainable parameter (before clipping, as logged). `dtype` (float64) casts the model and the
     batches: the exact reference. `model`: another serial model in its place (its trainable parameters: those with
-    requires_grad), e.g. a pipeline's transformer with a LoRA loaded by diffusers."""
+    requires_grad), e.g. a pipeline's transformer with a LoRA loaded by diffusers. `step`: that optimizer step's
+    batches and generators instead of the first's (the earlier steps' batches drawn and left), on the same weights."""
     from train.config import load_recipe
     from train.data.batches import build_dataset, make_batches
     from train.finetune import autocast_dtype, micro_batches
@@ -490,7 +492,9 @@ def first_step(
     objective, amp, loss = Objective.of(r, spec), None if dtype else autocast_dtype(t.mixed_precision, cpu), 0.0
     for rank in range(dp):
         batches = make_batches(dataset, r, dp_rank=rank, dp_size=dp, device=cpu)
-        for _, batch, _, gen in micro_batches(batches, t, 0, rank):
+        for skipped in range(step):
+            list(micro_batches(batches, t, skipped, rank))
+        for _, batch, _, gen in micro_batches(batches, t, step, rank):
             if dtype is not None:
                 batch = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
             micro = micro_batch_loss(model, spec, batch, objective, gen, amp) / (t.grad_accum * dp)

@@ -47,23 +47,26 @@ def _adapted(family: str, seed: int = 0) -> torch.nn.Module:
 def _load(family: str, lora: Path) -> tuple[torch.nn.Module, list[str]]:
     """A fresh tiny transformer with `lora` loaded through the family's pipeline as a user loads it; the warnings
     diffusers and peft logged. A pipeline built with its other components None where its constructor allows; else
-    (a constructor that needs its processor) the same class's `lora_state_dict` + `load_lora_into_transformer`, the
-    two calls its `load_lora_weights` makes."""
+    (a constructor that needs its processor; a modular pipeline, which takes its components from a folder) the same
+    class's `lora_state_dict` + `load_lora_into_transformer`, the two calls its `load_lora_weights` makes."""
     cls = getattr(diffusers, get_family(family).pipeline_class)
     transformer = build_model(family, seed=0)
-    records: list[str] = []
+    params = inspect.signature(cls.__init__).parameters
+    try:
+        required = {n: None for n, p in params.items() if n != "self" and p.default is inspect._empty
+                    and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}  # fmt: skip
+        pipe = cls(**required | {"transformer": transformer})
+    except (AttributeError, TypeError):
+        pipe = None
+    if pipe is not None and getattr(pipe, "transformer", None) is not transformer:  # a modular pipeline
+        pipe = None
+    records: list[str] = []  # what loading the file logs
     handler = logging.Handler(level=logging.WARNING)
     handler.emit = lambda r: records.append(r.getMessage())
     loggers = [logging.getLogger(n) for n in ("diffusers", "peft")]
     for lg in loggers:
         lg.addHandler(handler)
     try:
-        params = inspect.signature(cls.__init__).parameters
-        try:
-            pipe = cls(**{n: None for n, p in params.items() if n != "self" and p.default is inspect._empty} |
-                       {"transformer": transformer})  # fmt: skip
-        except (AttributeError, TypeError):
-            pipe = None
         if pipe is not None:
             pipe.load_lora_weights(lora)
         else:

@@ -177,6 +177,11 @@ class ModelConfig(Section):
     """Mixture-of-experts families (Wan 2.2 A14B): the sigma where the pipeline switches from the high-noise expert
     (`transformer`) to the low-noise one (`transformer_2`); model.subfolder picks the expert trained, whose sigmas are
     the only ones drawn. null = the pipeline's own (model_index.json)."""
+    both_experts: bool = False
+    """Mixture-of-experts families (Wan 2.2 A14B): train the high- and the low-noise expert in one run (model.subfolder
+    is then not read), alternating by optimizer step, each step's sigmas drawn from its expert's range; both sharded
+    by FSDP2, both in the checkpoint, exported as `lora/` + `lora_2/` (or `transformer/` + `transformer_2/`) and
+    both in validation samples (train/experts.py)."""
 
     @model_validator(mode="after")
     def _weights(self) -> ModelConfig:
@@ -361,16 +366,26 @@ class TrainConfig(Section):
 
 
 class FinetuneConfig(Section):
-    """What is trained: every weight, or LoRA adapters."""
+    """What is trained: every weight, or adapters (LoRA, DoRA, LoKr, LoHa: peft's)."""
 
     method: Literal["full", "lora"] = "lora"
-    """full = train every transformer weight; lora = train low-rank adapters only."""
+    """full = train every transformer weight; lora = train adapters only, of the kind `adapter` names."""
+    adapter: Literal["lora", "lokr", "loha"] = "lora"
+    """The adapter kind (peft's), for method lora: lora = low-rank B·A (with `dora`, DoRA); lokr = Kronecker product
+    of two factors (LyCORIS LoKr, exported as a LoRA file diffusers' `load_lora_weights` reads); loha = Hadamard
+    product of two low-rank products (LyCORIS LoHa: no diffusers loader reads it, so it is exported merged into the
+    base weights, a `from_pretrained` transformer folder). lora_rank, lora_alpha, lora_dropout (LoRA/DoRA only) and
+    lora_targets apply to every kind."""
+    dora: bool = False
+    """Adapter lora only: weight-decomposed LoRA (DoRA, peft's use_dora): a trained per-output-channel magnitude,
+    starting at the base weight's row norms, times the direction of W + B·A. Exported as a LoRA file
+    `load_lora_weights` reads (its `lora_magnitude_vector`s)."""
     lora_rank: int = 16
-    """LoRA rank r (>= 1 for method lora)."""
+    """Adapter rank r (>= 1 for method lora): LoRA's r; LoKr's and LoHa's r (peft's LoKrConfig / LoHaConfig)."""
     lora_alpha: float = 16.0
-    """LoRA alpha; adapter outputs are scaled by alpha / rank."""
+    """Adapter alpha; adapter outputs are scaled by alpha / rank (every kind)."""
     lora_dropout: float = 0.0
-    """Dropout on the LoRA input, in [0, 1)."""
+    """Dropout on the LoRA input, in [0, 1) (adapter lora only)."""
     lora_targets: list[str] | None = None
     """Module names (peft target_modules) that get adapters; null = the family's default targets."""
     init_lora: str | None = None
@@ -396,6 +411,14 @@ class FinetuneConfig(Section):
             problems.append(("lora_dropout", f"must be in [0, 1), got {self.lora_dropout}"))
         if self.lora_targets is not None and not self.lora_targets:
             problems.append(("lora_targets", "is empty; list module names, or null for the family's defaults"))
+        if self.dora and self.adapter != "lora":
+            problems.append(("dora", f"is true, which decomposes a LoRA, but adapter is {self.adapter}; set "
+                             "finetune.adapter: lora, or dora: false"))  # fmt: skip
+        if self.lora_dropout and self.adapter != "lora":
+            problems.append(("lora_dropout", f"is LoRA's input dropout, and adapter is {self.adapter}; set it to 0"))
+        if self.init_lora is not None and (self.adapter != "lora" or self.dora):
+            problems.append(("init_lora", "starts a plain LoRA from a file; with adapter lokr / loha or dora it "
+                             "cannot: drop finetune.init_lora, or train adapter: lora, dora: false"))  # fmt: skip
         if self.init_lora is not None:
             problems += [(k, f"is set, but init_lora {self.init_lora} brings its own ranks, alphas and targets; drop "
                           f"finetune.{k}") for k in ("lora_rank", "lora_alpha", "lora_targets")
@@ -694,6 +717,15 @@ class Recipe(Section):
     name: str | None = None
     """Run name; null = the recipe file's stem (filled in by load_recipe)."""
 
+    @property
+    def exported(self) -> str:
+        """What the final export writes: lora (an adapter file), full (a transformer folder) or none. auto = what was
+        trained; a LoHa run exports full (its adapters merged: no diffusers loader reads LoHa files)."""
+        if self.checkpoint.export != "auto":
+            return self.checkpoint.export
+        ft = self.finetune
+        return "full" if ft.method == "full" or ft.adapter == "loha" else "lora"
+
     @model_validator(mode="after")
     def _export(self) -> Recipe:
         if self.checkpoint.export_every_checkpoint and self.checkpoint.export == "none":
@@ -701,14 +733,26 @@ class Recipe(Section):
                      "(or lora / full), or export_every_checkpoint to false")])  # fmt: skip
         if self.ema is not None and self.ema.validation and self.validation is None:
             report([("ema.validation", "is true but there is no validation section to render with the EMA")])
-        exported = self.finetune.method if self.checkpoint.export == "auto" else self.checkpoint.export
+        exported = self.exported
+        ft = self.finetune
+        kind = "dora" if ft.dora else ft.adapter
+        if self.checkpoint.export_format != "diffusers" and exported == "lora" and kind != "lora":
+            report([("checkpoint.export_format", f"is {self.checkpoint.export_format}, but the original key formats "
+                     f"(train/lora_format.py) hold plain LoRA only, and this run trains {kind}; set export_format: "
+                     "diffusers")])  # fmt: skip
+        if self.checkpoint.export == "lora" and ft.method == "lora" and ft.adapter == "loha":
+            report([("checkpoint.export", "is lora, but no diffusers loader reads a LoHa file: LoHa exports merged "
+                     "into the base weights; set export: auto (or full)")])  # fmt: skip
+        if exported == "full" and ft.method == "lora" and ft.adapter == "loha" and ft.fp8_base:
+            report([("finetune.fp8_base", "rounds the base weights to float8, and a LoHa run exports merged into "
+                     "them (no loader reads LoHa files); use fp8_base: false, or adapter: lora / lokr")])  # fmt: skip
         if self.checkpoint.export_format != "diffusers" and exported == "full":
             report([("checkpoint.export_format", f"is {self.checkpoint.export_format}, but full weights export in "
                      "diffusers' layout only (a from_pretrained folder); set export_format: diffusers, or train "
                      "finetune.method: lora")])  # fmt: skip
         if self.checkpoint.export == "lora" and self.finetune.method != "lora":
             report([("checkpoint.export", "is lora but finetune.method is full; use auto or full")])
-        if self.checkpoint.export == "full" and self.finetune.fp8_base:
+        if self.checkpoint.export == "full" and self.finetune.fp8_base and ft.adapter != "loha":
             report([("checkpoint.export", "is full, which would merge the adapters into the float8-rounded base "
                      "(finetune.fp8_base): use export lora (or auto) and load it on the bf16 base")])  # fmt: skip
         return self

@@ -579,10 +579,15 @@ def estimate(recipe: Recipe, world_size: int, device_type: str = "cuda", shape: 
 
     c: dict[str, float] = {}
     host: dict[str, float] = {}
-    c["parameters"] = sharded(None)
+    # model.both_experts (train/experts.py): both experts' shards and optimizer state (and EMA) live all run; a step
+    # runs one expert, so one expert's gradients, gathers and activations
+    from train.models import get_family
+
+    experts = len(get_family(recipe.model.family).experts) if recipe.model.both_experts else 1
+    c["parameters"] = experts * sharded(None)
     c["gradients"] = sharded(True)  # in the trained weights' dtype, sharded (FSDP2 reduce-scatters into the shard)
-    c["optimizer state (AdamW)"] = sum(optim.state_bytes(_padded_shard_numel(s, fsdp), e, t.optimizer)
-                                       for s, e, _ in shape.select(True))  # fmt: skip
+    c["optimizer state (AdamW)"] = experts * sum(optim.state_bytes(_padded_shard_numel(s, fsdp), e, t.optimizer)
+                                                 for s, e, _ in shape.select(True))  # fmt: skip
     # FSDP2: the root (outside the blocks) stays gathered from forward to backward; a block in flight is gathered
     # while the next one is prefetched; its all-gather output is copied out into the parameters (one more block);
     # backward adds its unsharded gradients and their fp32 reduce-scatter input.
@@ -595,7 +600,7 @@ def estimate(recipe: Recipe, world_size: int, device_type: str = "cuda", shape: 
     if offload:  # each block's shards copied to the device for its all-gather (and the next one's, prefetched)
         c["CPU offload staging (2 blocks)"] = 2 * sharded(None, block=biggest)
     if recipe.ema is not None:  # train/ema.py: an fp32 copy of each rank's trained shards, where they live
-        (host if offload else c)[EMA] = sharded(True, 4)
+        (host if offload else c)[EMA] = experts * sharded(True, 4)
     if t.grad_accum > 1 and p.fsdp and fsdp > 1:  # no reduce-scatter before the last micro-batch: FSDP2 accumulates
         c["unsharded gradients (grad_accum)"] = sum(math.prod(s) * 4 for s, _, _ in shape.select(True))  # in fp32
     cal = load_calibration(recipe.model.family)

@@ -5,11 +5,15 @@ model. The shard files are planned from shapes and dtypes first (huggingface_hub
 does: same file names, same index), identically on every rank; then every rank walks the state dict in the same order
 and gathers one tensor at a time (`DTensor.full_tensor()`, a collective); rank 0 buffers it in its shard and writes the
 shard as soon as it is complete. Rank 0's peak: one open shard plus one tensor (a tensor larger than a shard gets a
-shard of its own, written at once, while the current shard stays open). A model carrying peft LoRA adapters is
-exported as the plain transformer with the adapters merged into their base weights.
+shard of its own, written at once, while the current shard stays open). A model carrying peft adapters (LoRA, DoRA,
+LoKr, LoHa) is exported as the plain transformer with the adapters merged into their base weights: each adapted
+layer's adapter tensors are gathered with its weight, and rank 0 merges them by peft's own `get_delta_weight` (DoRA:
+peft's merge, the magnitude over the norm of W + ΔW). LoHa runs export this way (no diffusers loader reads LoHa).
 
 LoRA weights (`export_lora`): the pipeline's `save_lora_weights` (with the adapter metadata, so `lora_alpha != r`
-reloads with the right scale). Adapters are small: they are gathered whole to rank 0.
+reloads with the right scale). Adapters are small: they are gathered whole to rank 0. LoRA and DoRA files load with
+`<Pipeline>.load_lora_weights(dir)`; LoKr files (`.lokr_` keys, which the pipelines' `load_lora_weights` refuses in
+diffusers 0.42.1) with `pipe.transformer.load_lora_adapter(dir, prefix="transformer")`, diffusers' LoKr loader.
 
 Both are atomic: written into `<out_dir>/.<name>.partial/` and renamed to `<out_dir>/<name>/` once complete (a previous
 export of that name is replaced only then), so a killed or failed export never leaves a folder that looks like a
@@ -19,6 +23,7 @@ gathers; then every rank raises `ExportFailed` together (the trainer checkpoints
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from collections.abc import Callable
@@ -104,38 +109,83 @@ class Exported:
 @dataclass(frozen=True)
 class _Entry:
     """One tensor of the exported folder: `key` (a plain transformer's), read from the model's state-dict key
-    `source`, plus the (lora_A key, lora_B key, scaling) of each LoRA adapter merged into it."""
+    `source`; for an adapted weight, the peft layer `layer` whose active adapters merge into it and the state keys of
+    those adapters' tensors (gathered with it)."""
 
     key: str
     source: str
-    adapters: tuple[tuple[str, str, float], ...] = ()
+    layer: str | None = None
+    adapter_keys: tuple[str, ...] = ()
 
 
 def _entries(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> list[_Entry]:
-    """The exported tensors in state-dict order: peft's `<layer>.base_layer.<p>` becomes `<layer>.<p>`, and each
-    active adapter of a Linear layer is merged into its weight. Any other LoRA tensor cannot be merged here."""
+    """The exported tensors in state-dict order: peft's `<layer>.base_layer.<p>` becomes `<layer>.<p>`, and the
+    active adapters of each adapted layer (any kind) merge into its weight. Any other adapter tensor (a LoRA bias, an
+    inactive adapter) cannot be merged here."""
+    from train.modeling import adapter_factor
+
+    by_layer: dict[str, list[tuple[str, str]]] = {}  # "<layer>.<factor>.<adapter>..." -> layer, adapter name
+    for k in state:
+        factor = adapter_factor(k)
+        if factor is not None:
+            layer_name, _, rest = k.partition(f".{factor}.")
+            by_layer.setdefault(layer_name, []).append((k, rest.split(".")[0]))
     entries, merged = [], set()
     for name in state:
-        if ".lora_" in name:
+        if adapter_factor(name) is not None:
             continue
         if ".base_layer." not in name:
             entries.append(_Entry(name, name))
             continue
         layer_name, param = name.split(".base_layer.")
-        adapters = ()
-        if param == "weight":
-            layer = model.get_submodule(layer_name)
-            pairs = [(f"{layer_name}.lora_A.{a}.weight", f"{layer_name}.lora_B.{a}.weight", layer.scaling[a])
-                     for a in layer.active_adapters if a in layer.lora_A]  # fmt: skip
-            adapters = tuple(p for p in pairs if state[p[0]].dim() == 2)  # Linear layers: W + s·B@A
-            merged.update(k for p in adapters for k in p[:2])
-        entries.append(_Entry(f"{layer_name}.{param}", name, adapters))
-    left = [n for n in state if ".lora_" in n and n not in merged]
+        if param != "weight":
+            entries.append(_Entry(f"{layer_name}.{param}", name))
+            continue
+        active = model.get_submodule(layer_name).active_adapters
+        keys = tuple(k for k, a in by_layer.get(layer_name, []) if a in active and not k.endswith(".bias"))
+        merged.update(keys)
+        entries.append(_Entry(f"{layer_name}.{param}", name, layer_name, keys))
+    left = [n for n in state if adapter_factor(n) is not None and n not in merged]
     if left:
-        raise UserError(f"export_full merges the active LoRA adapters of Linear layers only, not {left[:3]} "
-                         f"({len(left)} such tensors: DoRA, LoRA bias, conv or inactive adapters); set "
-                         "checkpoint.export=lora to export the adapters instead")  # fmt: skip
+        raise UserError(f"export_full merges the active adapters' weights only, not {left[:3]} ({len(left)} such "
+                         "tensors: a LoRA bias or inactive adapters); set checkpoint.export=lora to export the "
+                         "adapters instead")  # fmt: skip
     return entries
+
+
+@contextlib.contextmanager
+def _swapped(layer: torch.nn.Module, values: dict[str, torch.Tensor]):
+    """`layer`'s parameters named by `values` (relative names) replaced by those whole tensors, then put back: peft's
+    own methods then compute on the gathered adapters (rank 0 only, between collectives)."""
+    saved = []
+    for name, value in values.items():
+        owner, _, attr = name.rpartition(".")
+        module = layer.get_submodule(owner)
+        saved.append((module, attr, module._parameters[attr]))
+        module._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
+    try:
+        yield
+    finally:
+        for module, attr, param in saved:
+            module._parameters[attr] = param
+
+
+def _merged(layer: torch.nn.Module, weight: torch.Tensor, adapters: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`weight` (whole) with `layer`'s active adapters merged, in fp32, as peft's `merge` does: W + ΔW from each
+    adapter's `get_delta_weight`; DoRA: (m / ‖W + ΔW‖_row) · (W + ΔW)."""
+    from peft.tuners.lora import LoraLayer
+
+    w = weight.float()
+    with _swapped(layer, adapters):
+        for a in layer.active_adapters:
+            delta = layer.get_delta_weight(a).float()
+            if isinstance(layer, LoraLayer) and a in layer.lora_magnitude_vector:  # DoRA
+                dora = layer.lora_magnitude_vector[a]
+                norm = dora.get_weight_norm(w, delta, scaling=1).detach()
+                w = (dora.weight.float() / norm)[:, None] * (w + delta)
+            else:
+                w = w + delta
+    return w
 
 
 def _full(value: torch.Tensor) -> torch.Tensor:
@@ -178,14 +228,11 @@ def export_full(
     buffered = peak = 0
     for e in entries:
         value = _full(state[e.source])
-        gathered = [(_full(state[a]), _full(state[b]), s) for a, b, s in e.adapters]
+        gathered = {k.removeprefix(f"{e.layer}."): _full(state[k]) for k in e.adapter_keys}
         if rank != 0:
             continue
-        if gathered:  # W + Σ (alpha/r)·B@A in fp32, cast back to the base weight's dtype
-            w = value.float()
-            for a, b, s in gathered:
-                w += s * (b.float() @ a.float())
-            value = w.to(value.dtype)
+        if gathered:  # the active adapters merged in fp32, cast back to the base weight's dtype
+            value = _merged(model.get_submodule(e.layer), value, gathered).to(value.dtype)
         file = plan.tensor_to_filename[e.key]
         open_shards[file][e.key] = value.contiguous()
         buffered += value.nbytes

@@ -64,6 +64,7 @@ from train.data.batches import Batches, bucket_tokens, build_dataset, check_text
 from train.ema import EMA
 from train.errors import EXIT_CODE, UserError, peer_reported, quiet_interrupt, report
 from train.estimate import startup_check
+from train.experts import Experts, build_experts, experts_of, expert_suffix
 from train.export import ExportFailed, export_full, export_lora
 from train.heldout import HeldOutLoss
 from train.metrics import MetricsLogger, device_memory, peak_memory_bytes
@@ -206,11 +207,13 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     counted in `tr.bad` (the loop stops the run after `train.max_bad_steps` in a row)."""
     t, reduction = tr.train, tr.parallel.reduction
     t0, loss_sum, tokens, samples = time.perf_counter(), torch.zeros((), device=tr.device), 0, []
+    # model.both_experts: this step's expert and its sigma range (train/experts.py); else the recipe's objective
+    objective = tr.model.route(step) if isinstance(tr.model, Experts) else tr.objective
     for micro, batch, ids, gen in micro_batches(tr.batches, t, step, tr.mesh.dp_rank):
         if reduction.mode == "fsdp2":  # reduce-scatter once per optimizer step, on the last micro-batch
             tr.model.set_requires_gradient_sync(micro == t.grad_accum - 1)
         samples += ids
-        loss = step_loss(tr.model, tr.spec, batch, tr.objective, gen, tr.amp) / t.grad_accum  # train/step.py
+        loss = step_loss(tr.model, tr.spec, batch, objective, gen, tr.amp) / t.grad_accum  # train/step.py
         loss.backward()
         loss_sum += loss.detach()
         shapes = {s: batch[s].shape[1:] for s in tr.spec.streams}  # e.g. 2 clips × 35 video tokens = 70 tokens
@@ -456,29 +459,39 @@ def export_weights(recipe: Recipe, spec: FamilySpec, model: torch.nn.Module, out
     """The trained weights in the export format into `out_dir` (`lora/` or `transformer/`), and the EMA's beside them
     (`lora_ema/`, `transformer_ema/`): the final export, and each checkpoint's (`checkpoint.export_every_checkpoint`).
     Collective; raises ExportFailed on every rank when a write fails."""
-    kind = recipe.finetune.method if recipe.checkpoint.export == "auto" else recipe.checkpoint.export
+    kind = recipe.exported
     written = []
     for suffix, weights in (("", nullcontext), *([("_ema", ema.swapped)] if ema is not None else [])):
-        with weights():
-            if kind == "lora":
-                keys = recipe.checkpoint.export_format  # diffusers, original (the family's, train/lora_format.py), both
-                written += export_lora(model, spec.pipeline_class, out_dir, name=f"lora{suffix}",
-                                       original=spec.lora_format if keys != "diffusers" else None,
-                                       diffusers_keys=keys != "original")  # fmt: skip
-            elif kind == "full":
-                full = export_full(model, out_dir, name=f"transformer{suffix}")
-                written.append(full.path)
-                if dist.get_rank() == 0:  # streamed: rank 0 never holds more than one shard + one tensor
-                    print(f"export: {full.path.name}: {full.shards} shard(s), {full.total_bytes / 2**20:.1f} MiB; "
-                          f"rank 0 peak buffered {full.peak_buffered_bytes / 2**20:.1f} MiB")  # fmt: skip
+        # model.both_experts: each expert beside the other, as the pipeline's folders (lora/ + lora_2/, ...)
+        for expert, transformer in experts_of(model).items():
+            with weights():
+                written += _export_one(recipe, spec, transformer, out_dir, kind, expert_suffix(expert) + suffix)
     return written
+
+
+def _export_one(recipe: Recipe, spec: FamilySpec, model: torch.nn.Module, out_dir: Path, kind: str,
+                suffix: str) -> list[Path]:  # fmt: skip
+    """One transformer's weights: `lora<suffix>/` (and `_original`, checkpoint.export_format) or
+    `transformer<suffix>/`."""
+    if kind == "lora":
+        keys = recipe.checkpoint.export_format  # diffusers, original (the family's, train/lora_format.py), both
+        return export_lora(model, spec.pipeline_class, out_dir, name=f"lora{suffix}",
+                           original=spec.lora_format if keys != "diffusers" else None,
+                           diffusers_keys=keys != "original")  # fmt: skip
+    if kind != "full":
+        return []
+    full = export_full(model, out_dir, name=f"transformer{suffix}")
+    if dist.get_rank() == 0:  # streamed: rank 0 never holds more than one shard + one tensor
+        print(f"export: {full.path.name}: {full.shards} shard(s), {full.total_bytes / 2**20:.1f} MiB; "
+              f"rank 0 peak buffered {full.peak_buffered_bytes / 2**20:.1f} MiB")  # fmt: skip
+    return [full.path]
 
 
 def export(recipe: Recipe, spec: FamilySpec, model: torch.nn.Module, out_dir: Path, ema: EMA | None,
            checkpoint: Callable[[], Path | None]) -> None:  # fmt: skip
     """The final weights (train/export.py: written aside, renamed into place when complete). Refused from non-finite
     weights; when a write fails, the trained state is checkpointed (`checkpoint()`) and the error says where."""
-    kind = recipe.finetune.method if recipe.checkpoint.export == "auto" else recipe.checkpoint.export
+    kind = recipe.exported
     if kind != "none" and not parameters_finite(model):
         raise UserError(f"the trained weights are not finite (NaN/Inf): nothing exported (the latest checkpoint: "
                         f"{latest_checkpoint(out_dir) or 'none'}); lower train.lr or set train.max_grad_norm, and "
@@ -568,9 +581,11 @@ def main(argv: list[str] | None = None) -> None:
         record_memory(out_dir, recipe, dist.get_world_size(), device.type, memory)  # for the run report
 
     # --- model: meta build → LoRA/full → CP hooks → activation levers → compile → FSDP2 → each rank's shard -------
-    model, parallel = build_model(recipe, spec, mesh, device)
+    model, parallel = (build_experts if recipe.model.both_experts else build_model)(recipe, spec, mesh, device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = build_optimizer(params, t)
+    if isinstance(model, Experts):  # each step trains one expert: the other's state must exist, as if fresh
+        optim.neutral_state(optimizer)
     ema = EMA.of(recipe.ema, model)  # None without `ema`: each rank averages its own shards
 
     # --- resume ---------------------------------------------------------------------------------------------------

@@ -97,6 +97,19 @@ class Fp8Linear(torch.nn.Linear):
         codes, scale = (t.to_local() if hasattr(t, "to_local") else t for t in (codes, scale))
         return dequantize(codes, scale, dtype)
 
+    # DoRA (finetune.dora) divides by the row norms of the base weight, which peft reads through
+    # `dequantize_module_weight(base_layer)`: a layer with `W_q` (its name for quantized codes) is asked to
+    # `dequantize()`. Under FSDP2 this runs inside the forward, on the gathered (whole) codes and scales. The norm is
+    # detached in peft's DoRA, so the input gradient stays `_Fp8Matmul`'s exact one.
+    @property
+    def W_q(self) -> torch.Tensor:  # noqa: N802 (peft's attribute name)
+        """The codes, under the name peft's `dequantize_module_weight` looks for."""
+        return self.weight
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight in fp32, for peft (DoRA's weight norm)."""
+        return self.dequantized(torch.float32)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, float8 e4m3 + per-row scale"
 

@@ -9,8 +9,10 @@ meant to avoid) and moves every byte through the network; the reader's peak per 
 tensor slice. Broadcast from rank 0 is used only for random init (`init_config`), where rank 0 must draw the whole
 model anyway to reproduce the serial initial weights.
 
-LoRA adapters start from `lora_init`: values drawn by one seeded generator in parameter order, so they are the same
-on every rank and in every layout (and small: every rank holds them whole and keeps its slice).
+Adapters (peft's LoRA, DoRA, LoKr, LoHa: `finetune.adapter`) start from `lora_init`: values drawn by one seeded
+generator in parameter order, so they are the same on every rank and in every layout (and small: every rank holds
+them whole and keeps its slice). DoRA's magnitudes start at the base weights' row norms: `set_dora_magnitudes`, once
+the base weights are in place (on the sharded start, from each rank's rows).
 """
 
 from __future__ import annotations
@@ -37,6 +39,19 @@ from .models.spec import FamilySpec
 from .parallel import Mesh, Parallelized, check_replicated, parallelize, repeated_blocks
 from .schema import suggest
 
+# peft's parameter names of each adapter kind: LoRA/DoRA (`lora_A`, `lora_B`, `lora_magnitude_vector`), LoKr
+# (`lokr_w1`, `lokr_w2`, or their `_a`/`_b` factors), LoHa (`hada_w1_a` ... `hada_w2_b`)
+ADAPTER_TAGS = ("lora_", "lokr_", "hada_")
+# The factor peft's `reset_adapter_parameters` (init weights: true) zeros, one per kind, so that the adapted model
+# starts equal to the base; the others are kaiming-uniform(a=√5)
+ZERO_AT_START = ("lora_B", "lokr_w1", "lokr_w1_a", "hada_w2_b")
+
+
+def adapter_factor(name: str) -> str | None:
+    """The adapter factor a parameter name holds (`lora_A`, `lokr_w2`, `hada_w1_b`, `lora_magnitude_vector`), or
+    None for a base parameter."""
+    return next((part for part in name.split(".") if part.startswith(ADAPTER_TAGS)), None)
+
 
 def family_spec(cfg: ModelConfig) -> FamilySpec:
     """The family's spec; `model.flow_shift`, when set, replaces the primary stream's shift by a static one."""
@@ -53,6 +68,18 @@ def check_model(recipe: Recipe, spec: FamilySpec) -> None:
     pretrained folder without the transformer's config or without whole weights of that config's shapes, a CP
     plan file for another class, a CP degree above a sample's token count, and bf16 on a GPU without it."""
     cfg = recipe.model
+    if cfg.both_experts:  # each expert as its own one-expert run would be checked
+        from .experts import expert_recipes
+
+        if not spec.experts:
+            raise UserError(f"model.both_experts: {spec.name} has one transformer, not a mixture of experts; set "
+                            "model.both_experts: false")  # fmt: skip
+        if recipe.validation_loss is not None:
+            raise UserError("validation_loss: a held-out loss of both experts (routing each held-out sample by its "
+                            "sigma) is not built yet; set validation_loss: null with model.both_experts")  # fmt: skip
+        for one in expert_recipes(recipe, spec).values():
+            check_model(one, spec)
+        return
     if recipe.train.mixed_precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         raise UserError(f"train.mixed_precision: bf16, but {torch.cuda.get_device_name()} has no bf16 support; set "
                         "train.mixed_precision: no (fp32)")  # fmt: skip
@@ -261,15 +288,15 @@ def apply_finetune(
     master_weights: str,
     adapter: InitAdapter | None = None,
 ) -> list[str]:
-    """Full: every parameter trains, in `master_weights` (cast_master). LoRA: the base is frozen, adapters train in
-    fp32 (bf16 with master_weights: bf16); with `fp8_base` the blocks' frozen linear weights become float8 first
-    (train/fp8.py: quantized from their values, or meta on a meta model), then peft wraps them. Works on a meta model
-    too (nothing is allocated). Returns the names of the trainable parameters."""
+    """Full: every parameter trains, in `master_weights` (cast_master). LoRA (any `adapter` kind): the base is
+    frozen, adapters train in fp32 (bf16 with master_weights: bf16); with `fp8_base` the blocks' frozen linear weights
+    become float8 first (train/fp8.py: quantized from their values, or meta on a meta model), then peft wraps them.
+    Works on a meta model too (nothing is allocated). Returns the names of the trainable parameters."""
     if cfg.method == "full":
         cast_master(model, master_weights)
         model.requires_grad_(True)
     else:
-        from peft import LoraConfig
+        from peft import LoHaConfig, LoKrConfig, LoraConfig
 
         model.requires_grad_(False)
         if cfg.fp8_base:
@@ -279,8 +306,12 @@ def apply_finetune(
         else:
             targets = list(cfg.lora_targets or spec.lora_targets)
             check_lora_targets(model, targets)
-            config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                                target_modules=targets, init_lora_weights=True)  # fmt: skip
+            if cfg.adapter == "lora":
+                config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                    target_modules=targets, init_lora_weights=True, use_dora=cfg.dora)  # fmt: skip
+            else:
+                kind = LoKrConfig if cfg.adapter == "lokr" else LoHaConfig
+                config = kind(r=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=targets, init_weights=True)
         # peft makes each adapter on the default device, initialises it, then moves it to its base layer's device: on
         # a meta model, make them on meta (a 14B model's 320 adapters: ~4 s of CPU init for values never read)
         meta = next(model.parameters()).is_meta
@@ -328,18 +359,44 @@ def check_lora_targets(model: torch.nn.Module, targets: list[str]) -> None:
 
 
 def lora_init(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    """Initial values of the LoRA adapters, whole, on CPU: A ~ kaiming-uniform(a=√5) (peft's default), B = 0 (so the
-    adapted model starts equal to the base). One generator walks the parameters in order: the same on every rank."""
+    """Initial values of the adapters, whole, on CPU, as peft draws them (`reset_adapter_parameters`): one factor of
+    each kind zero (ZERO_AT_START: LoRA's B, LoKr's w1, LoHa's w2_b, so the adapted model starts equal to the base),
+    the others kaiming-uniform(a=√5). One generator walks the parameters in order: the same on every rank. DoRA's
+    magnitudes are not here: they are the base weights' norms (`set_dora_magnitudes`, once those are loaded)."""
     gen = torch.Generator().manual_seed(seed + 1)
     values = {}
     for name, p in model.named_parameters():
-        if not p.requires_grad or ".lora_" not in name:
+        factor = adapter_factor(name)
+        if not p.requires_grad or factor is None or factor == "lora_magnitude_vector":
             continue
         value = torch.zeros(p.shape, dtype=p.dtype)
-        if ".lora_A." in name:
+        if factor not in ZERO_AT_START:
             torch.nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=gen)
         values[name] = value
     return values
+
+
+@torch.no_grad()
+def set_dora_magnitudes(model: torch.nn.Module) -> None:
+    """DoRA's magnitudes at their start, as peft sets them: the row norms of W + s·B·A with B = 0, i.e. of each adapted
+    base weight (float8 bases dequantized), in fp32. Each rank computes its own rows: FSDP2 shards a weight and its
+    magnitude vector alike, on dim 0, so nothing is communicated and the result equals the serial start."""
+    from peft.tuners.lora import LoraLayer
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    for module in model.modules():
+        if not isinstance(module, LoraLayer) or not module.lora_magnitude_vector:
+            continue
+        base = module.get_base_layer()
+        weight = base.dequantized() if isinstance(base, fp8.Fp8Linear) else local(base.weight).float()
+        norm = torch.linalg.norm(weight, dim=1)
+        for dora in module.lora_magnitude_vector.values():
+            target = local(dora.weight)
+            assert target.shape == norm.shape, (target.shape, norm.shape)  # the same dim-0 rows on this rank
+            target.copy_(norm)
 
 
 def _base_key(name: str) -> str:
@@ -447,7 +504,7 @@ def _load_pretrained_shards(model: torch.nn.Module, folder: Path, dtype: torch.d
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     quantized = {_base_key(f"{n}.weight").removesuffix(".weight"): m for n, m in fp8.modules(model).items()}
-    state = {_base_key(n): t for n, t in model.state_dict().items() if ".lora_" not in n}
+    state = {_base_key(n): t for n, t in model.state_dict().items() if adapter_factor(n) is None}
     scales = {f"{k}.weight_scale" for k in quantized}
     state = {k: t for k, t in state.items() if k not in scales}  # computed here, not in the checkpoint
     check_weights(folder, {k: tuple(t.shape) for k, t in state.items()})  # a hub download: checked once here
@@ -482,6 +539,7 @@ def whole_model(recipe: Recipe, spec: FamilySpec) -> torch.nn.Module:
     with torch.no_grad():
         for name, value in initial_adapters(model, adapter, seed=recipe.train.seed).items():
             model.get_parameter(name).copy_(value)
+    set_dora_magnitudes(model)
     return model
 
 
@@ -527,6 +585,7 @@ def build_model(
                 full = {**base.state_dict(), **lora}
             names = {_base_key(n): n for n in model.state_dict()}
             _set_full(model, {names.get(k, k): v for k, v in full.items()}, broadcast=True)
+        set_dora_magnitudes(model)  # from the base weights now in place: each rank its rows
     check_finite_start(model, cfg)
     return model, parallel
 

@@ -113,3 +113,18 @@ def scheduler_state(scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict:
         return v
 
     return {k: plain(v) for k, v in scheduler.state_dict().items()}
+
+
+def neutral_state(optimizer: torch.optim.Optimizer) -> None:
+    """Every parameter's optimizer state created as its first step would find it (AdamW: step 0, zero moments), without
+    changing any parameter: DCP's zero-gradient, lr-0 initialisation step, then each `step` counter back to 0. For runs
+    where some parameters skip steps (train/experts.py: one expert per step): a checkpoint then holds the untrained
+    expert's state too (resume loads every parameter's state), and the untrained expert's first real step is the one
+    it would take fresh (DCP's own initialisation, run on an empty optimizer at save time, would leave step 1 behind
+    and shrink that step)."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(optimizer)
+    for state in optimizer.state.values():
+        if "step" in state:
+            state["step"] = torch.zeros_like(state["step"]) if torch.is_tensor(state["step"]) else 0

@@ -213,7 +213,8 @@ def _recipe(run: Run, dp: int) -> list[str]:
     r, out = run.recipe, run.out
     t, ft = r.train, r.finetune
     model = f"`{r.model.pretrained_path}` ({r.model.subfolder})" if r.model.pretrained_path else "random init"
-    method = f"LoRA (rank {ft.lora_rank}, alpha {ft.lora_alpha:g})" if ft.method == "lora" else "full fine-tuning"
+    kind = {"lora": "DoRA" if ft.dora else "LoRA", "lokr": "LoKr", "loha": "LoHa"}[ft.adapter]
+    method = f"{kind} (rank {ft.lora_rank}, alpha {ft.lora_alpha:g})" if ft.method == "lora" else "full fine-tuning"
     levers = [
         f"gradient checkpointing (every {t.checkpoint_every} block, {t.checkpoint_policy})"
         if t.gradient_checkpointing
@@ -294,7 +295,7 @@ def _outputs(run: Run) -> list[tuple[str, object]]:
     """Where the run's files are, and how to use them: metrics, the exported weights (with the call that loads
     them), the latest checkpoint, and the wandb runs (with the sync command when offline)."""
     r, out = run.recipe, run.out
-    kind = r.finetune.method if r.checkpoint.export == "auto" else r.checkpoint.export
+    kind = r.exported
     weights = {"lora": (out / "lora", "`<Pipeline>.load_lora_weights(path)`"),
                "full": (out / "transformer", "`<Transformer>.from_pretrained(path)`")}.get(kind)  # fmt: skip
     if kind == "none":

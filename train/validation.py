@@ -72,10 +72,10 @@ def check_validation(recipe: Recipe, spec: FamilySpec) -> None:
     if not issubclass(_pipeline_class(spec), DiffusionPipeline):
         raise UserError(f"validation: {spec.name}'s pipeline {spec.pipeline_class} is a modular pipeline, which "
                         "validation samples do not drive yet; set validation=null")  # fmt: skip
-    if spec.experts:
+    if spec.experts and not recipe.model.both_experts:
         raise UserError(f"validation: {spec.name} trains one expert of a mixture {list(spec.experts)}, and its "
-                        "pipeline needs both to sample; render samples after training from the exported weights, "
-                        "or set validation=null")  # fmt: skip
+                        "pipeline needs both to sample; train both (model.both_experts: true), render samples after "
+                        "training from the exported weights, or set validation=null")  # fmt: skip
     takes = _call_parameters(spec)
     if v.negative_prompt is not None and "negative_prompt" not in takes:
         raise UserError(f"validation.negative_prompt: {spec.pipeline_class} takes no negative prompt; set it to null")
@@ -233,7 +233,12 @@ class Validation:
         dlogging.set_verbosity_error()  # e.g. "generator on cpu, device cuda": expected, every validation
         self._components = {n: c for n, c in self.pipe.components.items()
                             if isinstance(c, torch.nn.Module) and not n.startswith("transformer")}  # fmt: skip
-        self.pipe.transformer = self.model  # after the move: the pipeline never moves or casts it
+        from train.experts import experts_of
+
+        for name, transformer in experts_of(self.model).items():  # both experts: transformer and transformer_2
+            setattr(self.pipe, name, transformer)  # after the move: the pipeline never moves or casts it
+        if m.both_experts and m.boundary_ratio is not None:  # the recipe's boundary, as training routes by it
+            self.pipe.register_to_config(boundary_ratio=m.boundary_ratio)
         self.takes = _call_parameters(self.spec)
 
     @contextmanager

@@ -2,10 +2,11 @@
 `img_in`, ...) with `diffusion_model.` in front and kohya's `lora_down` / `lora_up` / `alpha` tensors, as ComfyUI and
 kohya's sd-scripts read them. diffusers' `_convert_kohya_flux_lora_to_diffusers` (FluxLoraLoaderMixin.lora_state_dict
 of such a file: `diffusion_model.` -> `lora_unet_`) maps every one back, splitting the fused `qkv` and `linear1`
-layers (block-diagonal up: each module's own adapter). It reads `single_blocks.N.linear1` with FLUX.1's widths
-(3072 x 3 + 12288 rows) only, and drops the `final_layer` alphas: that layer carries its scale in `lora_up`, and its
-AdaLN rows in BFL's (shift, scale) order. Chroma and FLUX.1 Kontext share the names (ChromaPipeline and
-FluxKontextPipeline load through the same converter)."""
+layers (block-diagonal up: each module's own adapter); it splits `single_blocks.N.linear1` at FLUX.1's widths
+(3 x 3072 + 12288 rows) only. The blocks only: that converter names the embedders (`img_in`, `txt_in`, `time_in`,
+`vector_in`, `guidance_in`) and `final_layer` without the `transformer.` prefix, so load_lora_weights drops them
+(diffusers 0.42). Chroma and FLUX.1 Kontext share the names (ChromaPipeline and FluxKontextPipeline load through the
+same converter; Chroma's blocks have no modulation linears, its distilled guidance layer no name there)."""
 
 from train.lora_format import LoraFormat, Rename
 
@@ -15,7 +16,8 @@ def _fused(diffusers: tuple[str, ...], original: str) -> tuple[Rename, ...]:
 
 
 _DOUBLE = (
-    *_fused(tuple(f"transformer_blocks.{{0}}.attn.{m}" for m in ("to_q", "to_k", "to_v")), "double_blocks.{0}.img_attn.qkv"),
+    *_fused(tuple(f"transformer_blocks.{{0}}.attn.{m}" for m in ("to_q", "to_k", "to_v")),
+            "double_blocks.{0}.img_attn.qkv"),
     *_fused(tuple(f"transformer_blocks.{{0}}.attn.{m}" for m in ("add_q_proj", "add_k_proj", "add_v_proj")),
             "double_blocks.{0}.txt_attn.qkv"),
     *(Rename(f"transformer_blocks.{{0}}.{d}", f"double_blocks.{{0}}.{o}") for d, o in
@@ -29,17 +31,5 @@ _SINGLE = (
     Rename("single_transformer_blocks.{0}.proj_out", "single_blocks.{0}.linear2"),
     Rename("single_transformer_blocks.{0}.norm.linear", "single_blocks.{0}.modulation.lin"),
 )  # fmt: skip
-_OUTSIDE = (
-    *(Rename(d, o) for d, o in
-      (("x_embedder", "img_in"), ("context_embedder", "txt_in"),
-       ("time_text_embed.timestep_embedder.linear_1", "time_in.in_layer"),
-       ("time_text_embed.timestep_embedder.linear_2", "time_in.out_layer"),
-       ("time_text_embed.guidance_embedder.linear_1", "guidance_in.in_layer"),
-       ("time_text_embed.guidance_embedder.linear_2", "guidance_in.out_layer"),
-       ("time_text_embed.text_embedder.linear_1", "vector_in.in_layer"),
-       ("time_text_embed.text_embedder.linear_2", "vector_in.out_layer"))),
-    Rename("proj_out", "final_layer.linear", alpha=False),
-    Rename("norm_out.linear", "final_layer.adaLN_modulation.1", alpha=False, rows=(1, 0)),
-)  # fmt: skip
 
-FORMAT = LoraFormat(name="FLUX.1 original (ComfyUI, kohya sd-scripts)", renames=_DOUBLE + _SINGLE + _OUTSIDE)
+FORMAT = LoraFormat(name="FLUX.1 original (ComfyUI, kohya sd-scripts)", renames=_DOUBLE + _SINGLE)

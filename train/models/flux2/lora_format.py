@@ -14,7 +14,8 @@ def _fused(diffusers: tuple[str, ...], original: str) -> tuple[Rename, ...]:
 
 
 _DOUBLE = (
-    *_fused(tuple(f"transformer_blocks.{{0}}.attn.{m}" for m in ("to_q", "to_k", "to_v")), "double_blocks.{0}.img_attn.qkv"),
+    *_fused(tuple(f"transformer_blocks.{{0}}.attn.{m}" for m in ("to_q", "to_k", "to_v")),
+            "double_blocks.{0}.img_attn.qkv"),
     *_fused(tuple(f"transformer_blocks.{{0}}.attn.{m}" for m in ("add_q_proj", "add_k_proj", "add_v_proj")),
             "double_blocks.{0}.txt_attn.qkv"),
     *(Rename(f"transformer_blocks.{{0}}.{d}", f"double_blocks.{{0}}.{o}") for d, o in

@@ -8,7 +8,6 @@ from typing import Any
 import torch
 
 from train.models import Batch, Config, Streams
-from train.models.hunyuan_video.lora_format import FORMAT
 from train.models.spec import Classes, FamilySpec, Patch, ShiftSpec, frozen
 
 # hunyuanvideo-community/HunyuanVideo scheduler/scheduler_config.json (relevant keys).
@@ -55,5 +54,4 @@ SPEC = FamilySpec(
     build_inputs=build_inputs,
     patch=Patch.time_space(patch_size_t=1, patch_size=2),  # HunyuanVideoTransformer3DModel's defaults
     batch_keys=("latents", "prompt_embeds", "prompt_mask", "pooled_embeds"),
-    lora_format=FORMAT,
 )

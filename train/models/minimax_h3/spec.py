@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from train.models import Batch, Config, Shapes, Streams
+from train.models.minimax_h3.lora_format import FORMAT
 from train.models.spec import (
     Classes,
     FamilySpec,
@@ -155,6 +156,7 @@ def count_tokens(latents_shapes: Mapping[str, tuple[int, ...]], model_config: Co
 
 
 SPEC = FamilySpec(
+    lora_format=FORMAT,
     name="minimax_h3",
     classes=Classes("MiniMaxH3Transformer3DModel", "MiniMaxH3ModularPipeline", "AutoencoderKLMiniMaxH3"),
     latent_kind="video",
