@@ -463,7 +463,11 @@ def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 180,
 
 
 def first_step(
-    recipe: str | Path, *overrides: str, dtype: torch.dtype | None = None, dp: int = 1, model: torch.nn.Module = None,
+    recipe: str | Path,
+    *overrides: str,
+    dtype: torch.dtype | None = None,
+    dp: int = 1,
+    model: torch.nn.Module = None,
     step: int = 0,
 ) -> dict[str, float]:
     """The serial reference of a run's FIRST optimizer step, in this process, with the trainer's own pieces and no
@@ -683,6 +687,31 @@ def shared_tmpdir() -> Path:
 
 
 # ----------------------------------------------------------------------------------------------------------- LoRA
+
+
+# musubi-tuner's Wan layer names -> diffusers' (musubi writes Wan-AI's own module names with "_" for ".")
+MUSUBI_WAN = {"self_attn_q": "attn1.to_q", "self_attn_k": "attn1.to_k", "self_attn_v": "attn1.to_v",
+              "self_attn_o": "attn1.to_out.0", "cross_attn_q": "attn2.to_q", "cross_attn_k": "attn2.to_k",
+              "cross_attn_v": "attn2.to_v", "cross_attn_o": "attn2.to_out.0", "ffn_0": "ffn.net.0.proj",
+              "ffn_2": "ffn.net.2"}  # fmt: skip
+
+
+def musubi_wan_lora(path: Path, model: torch.nn.Module, rank: int, alpha: float, seed: int = 0) -> Path:
+    """Someone else's adapter for a Wan `model`: a musubi-tuner / kohya LoRA file (`lora_unet_blocks_0_self_attn_q`
+    `.lora_down.weight`, `.lora_up.weight`, `.alpha`) of every block's attention and FFN layers, random values,
+    written key by key in that tool's layout (not by our exporter)."""
+    from safetensors.torch import save_file
+
+    gen, state = torch.Generator().manual_seed(seed), {}
+    for i in range(len(model.blocks)):
+        for theirs, ours in MUSUBI_WAN.items():
+            layer = model.get_submodule(f"blocks.{i}.{ours}")
+            key = f"lora_unet_blocks_{i}_{theirs}"
+            state[f"{key}.lora_down.weight"] = torch.randn(rank, layer.in_features, generator=gen) * 0.2
+            state[f"{key}.lora_up.weight"] = torch.randn(layer.out_features, rank, generator=gen) * 0.2
+            state[f"{key}.alpha"] = torch.tensor(alpha)
+    save_file(state, str(path))
+    return path
 
 
 def load_pipeline(family: str, path: Path):

@@ -230,7 +230,7 @@ def test_the_estimate_counts_each_kind_s_adapters(kind: str) -> None:
      (["finetune.adapter=lokr", "checkpoint.export_format=original"], "hold plain LoRA only"),
      (["finetune.dora=true", "finetune.init_lora=x.safetensors"], "finetune.init_lora")],
 )  # fmt: skip
-def test_kinds_a_run_cannot_combine_are_refused_in_one_line(sets: list[str], said: str) -> None:
+def test_kinds_a_run_cannot_combine_are_refused_by_the_recipe(sets: list[str], said: str) -> None:
     with pytest.raises(RecipeError) as e:
         load_recipe(TINY_PATH, sets)
-    assert said in str(e.value) and len(str(e.value).strip().splitlines()) <= 2, str(e.value)
+    assert any(said in line for line in str(e.value).splitlines()), str(e.value)

@@ -18,18 +18,13 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from tests.harness import REL_TOL, REPO, first_step, train
+from tests.harness import MUSUBI_WAN, REL_TOL, REPO, first_step, musubi_wan_lora, train
 from train.config import load_recipe
 from train.errors import UserError
 from train.modeling import _random_init, family_spec, meta_transformer, read_init_lora
 
 TINY = REPO / "recipes/tiny/wan.yaml"
 RANK, ALPHA = 3, 1.5
-# musubi's Wan layer names -> diffusers' (musubi-tuner writes Wan-AI's own module names, "." as "_")
-MUSUBI = {"self_attn_q": "attn1.to_q", "self_attn_k": "attn1.to_k", "self_attn_v": "attn1.to_v",
-          "self_attn_o": "attn1.to_out.0", "cross_attn_q": "attn2.to_q", "cross_attn_k": "attn2.to_k",
-          "cross_attn_v": "attn2.to_v", "cross_attn_o": "attn2.to_out.0", "ffn_0": "ffn.net.0.proj",
-          "ffn_2": "ffn.net.2"}  # fmt: skip
 
 
 def _recipe(tmp: Path) -> Path:
@@ -41,25 +36,16 @@ def _recipe(tmp: Path) -> Path:
     return path
 
 
-def _musubi_file(path: Path, model: torch.nn.Module, seed: int = 0) -> Path:
-    gen, state = torch.Generator().manual_seed(seed), {}
-    for i in range(len(model.blocks)):
-        for theirs, ours in MUSUBI.items():
-            layer = model.get_submodule(f"blocks.{i}.{ours}")
-            key = f"lora_unet_blocks_{i}_{theirs}"
-            state[f"{key}.lora_down.weight"] = torch.randn(RANK, layer.in_features, generator=gen) * 0.2
-            state[f"{key}.lora_up.weight"] = torch.randn(layer.out_features, RANK, generator=gen) * 0.2
-            state[f"{key}.alpha"] = torch.tensor(ALPHA)
-    save_file(state, str(path))
-    return path
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("init_lora")
     recipe = load_recipe(TINY)
     model = _random_init(recipe.model, family_spec(recipe.model), seed=0)
-    return {"recipe": _recipe(tmp), "musubi": _musubi_file(tmp / "musubi_wan.safetensors", model), "tmp": tmp}
+    return {
+        "recipe": _recipe(tmp),
+        "musubi": musubi_wan_lora(tmp / "musubi_wan.safetensors", model, RANK, ALPHA),
+        "tmp": tmp,
+    }
 
 
 def _meta(recipe: Path):
@@ -70,7 +56,7 @@ def _meta(recipe: Path):
 def test_reads_a_musubi_adapter_with_its_rank_and_alpha(files) -> None:
     model, spec = _meta(files["recipe"])
     adapter = read_init_lora(str(files["musubi"]), spec, model)
-    assert adapter.config.r == RANK and len(adapter.values) == 2 * len(MUSUBI) * len(model.blocks)
+    assert adapter.config.r == RANK and len(adapter.values) == 2 * len(MUSUBI_WAN) * len(model.blocks)
     # the musubi converter folds alpha / rank into the tensors: diffusers loads it with alpha = rank
     assert adapter.config.lora_alpha == RANK
 
@@ -113,7 +99,7 @@ def test_shapes_of_another_model_size_are_one_line(files) -> None:
     r = load_recipe(files["recipe"])
     wider = _random_init(r.model.model_copy(update={"init_config": {**r.model.init_config, "attention_head_dim": 16}}),
                          spec, seed=0)  # fmt: skip
-    bad = _musubi_file(files["tmp"] / "wide.safetensors", wider)
+    bad = musubi_wan_lora(files["tmp"] / "wide.safetensors", wider, RANK, ALPHA)
     with pytest.raises(UserError, match=r"first bad key is transformer\.blocks\.0\.attn1\.to_q\.lora_A\.weight: shape"):
         read_init_lora(str(bad), spec, model)
 

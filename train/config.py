@@ -392,6 +392,10 @@ class FinetuneConfig(Section):
     """Start from an existing adapter instead of B = 0: a LoRA .safetensors file or folder in diffusers/PEFT keys or
     the original / ComfyUI / kohya keys the family's pipeline reads (its `load_lora_weights` converters); its own
     ranks, alphas and targets are used (so lora_rank, lora_alpha and lora_targets are not set with it)."""
+    base_adapter: str | None = None
+    """A frozen LoRA applied to the base while training and left out of the export and of validation samples: the
+    "training adapter" of a distilled model (Z-Image-Turbo, Flux.2 Klein, LTX distilled), so the trained LoRA is used on
+    the distilled model alone (train/base_adapter.py). Any key format the family's pipeline reads, as init_lora."""
     fp8_base: bool = False
     """LoRA: store the frozen linear weights of the transformer blocks in float8 e4m3 with one power-of-two scale per
     output channel (train/fp8.py), upcast one matmul at a time: those weights take 1 byte per value instead of 2 (bf16),
@@ -750,6 +754,9 @@ class Recipe(Section):
             report([("checkpoint.export_format", f"is {self.checkpoint.export_format}, but full weights export in "
                      "diffusers' layout only (a from_pretrained folder); set export_format: diffusers, or train "
                      "finetune.method: lora")])  # fmt: skip
+        if self.finetune.base_adapter is not None and exported == "full":
+            report([("checkpoint.export", "is full, which would merge finetune.base_adapter into the exported "
+                     "transformer; export the LoRA (auto or lora) to use it on the distilled base")])  # fmt: skip
         if self.checkpoint.export == "lora" and self.finetune.method != "lora":
             report([("checkpoint.export", "is lora but finetune.method is full; use auto or full")])
         if self.checkpoint.export == "full" and self.finetune.fp8_base and ft.adapter != "loha":

@@ -64,7 +64,7 @@ from train.data.batches import Batches, bucket_tokens, build_dataset, check_text
 from train.ema import EMA
 from train.errors import EXIT_CODE, UserError, peer_reported, quiet_interrupt, report
 from train.estimate import startup_check
-from train.experts import Experts, build_experts, experts_of, expert_suffix
+from train.experts import Experts, build_experts, expert_suffix, experts_of
 from train.export import ExportFailed, export_full, export_lora
 from train.heldout import HeldOutLoss
 from train.metrics import MetricsLogger, device_memory, peak_memory_bytes

@@ -181,8 +181,8 @@ def _fuse(
 def peft_adapters(lora: Mapping[str, torch.Tensor], scale: Callable[[str], float]) -> dict:
     """diffusers module path -> (A, B, scale) of a peft LoRA state dict (`get_peft_model_state_dict`: keys
     `<module>.lora_A.weight`); `scale(module)`: its alpha / r."""
-    return {k.removesuffix(".lora_A.weight"): (a, lora[k.replace(".lora_A.", ".lora_B.")], scale(k.removesuffix(".lora_A.weight")))
-            for k, a in lora.items() if k.endswith(".lora_A.weight")}  # fmt: skip
+    modules = [k.removesuffix(".lora_A.weight") for k in lora if k.endswith(".lora_A.weight")]
+    return {m: (lora[f"{m}.lora_A.weight"], lora[f"{m}.lora_B.weight"], scale(m)) for m in modules}
 
 
 def save_original(fmt: LoraFormat, state: Mapping[str, torch.Tensor], file) -> None:

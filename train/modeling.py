@@ -114,9 +114,8 @@ def check_model(recipe: Recipe, spec: FamilySpec) -> None:
         with init_empty_weights(include_buffers=False):
             meta = cls.from_config(config)
         check_weights(folder, {k: tuple(t.shape) for k, t in meta.state_dict().items()})
-    if recipe.finetune.method == "lora" and (
-        recipe.finetune.init_lora or recipe.checkpoint.export_format != "diffusers"
-    ):
+    f = recipe.finetune
+    if f.method == "lora" and (f.init_lora or f.base_adapter or recipe.checkpoint.export_format != "diffusers"):
         check_adapters(recipe, spec)
     shapes = _sample_shapes(recipe, spec)  # reads the cache's manifest: a missing cache is named here, early
     if recipe.parallel.cp > 1:
@@ -124,12 +123,13 @@ def check_model(recipe: Recipe, spec: FamilySpec) -> None:
 
 
 def check_adapters(recipe: Recipe, spec: FamilySpec) -> None:
-    """On a meta model (no memory): `finetune.init_lora` fits it (read_init_lora), and an original-format LoRA export
-    (`checkpoint.export_format`) is one the family can write: it has a format that names every adapted module."""
+    """On a meta model (no memory): `finetune.init_lora` and `finetune.base_adapter` fit it (read_init_lora), and an
+    original-format LoRA export (`checkpoint.export_format`) is one the family can write: it has a format that names
+    every adapted module."""
     from .lora_format import check_format
 
     model = meta_transformer(recipe.model, spec)
-    apply_finetune(model, recipe.finetune, spec, recipe.train.master_weights, init_adapter(recipe, spec, model))
+    add_adapters(recipe, spec, model)
     if recipe.checkpoint.export_format == "diffusers":
         return
     modules = [n.removesuffix(".lora_A.default.weight") for n, _ in model.named_parameters()
@@ -227,7 +227,9 @@ class InitAdapter:
     values: dict[str, torch.Tensor]
 
 
-def read_init_lora(path: str, spec: FamilySpec, model: torch.nn.Module) -> InitAdapter:
+def read_init_lora(
+    path: str, spec: FamilySpec, model: torch.nn.Module, setting: str = "finetune.init_lora"
+) -> InitAdapter:
     """Read an existing adapter (a diffusers/PEFT folder or file, or the original / ComfyUI / kohya keys) with the
     family pipeline's own `lora_state_dict` (diffusers' converters, what `load_lora_weights` runs) and the config
     diffusers builds from it; every tensor is checked against `model` (meta is enough). A file diffusers cannot read
@@ -236,7 +238,7 @@ def read_init_lora(path: str, spec: FamilySpec, model: torch.nn.Module) -> InitA
 
     file = Path(path).expanduser()
     if not file.exists():
-        raise UserError(f"finetune.init_lora: {file} does not exist; point it at a LoRA .safetensors file or folder")
+        raise UserError(f"{setting}: {file} does not exist; point it at a LoRA .safetensors file or folder")
     cls = getattr(diffusers, spec.pipeline_class)
     if not hasattr(cls, "lora_state_dict"):  # HunyuanVideo15Pipeline: its transformer-only files read as these
         cls = diffusers.loaders.HunyuanVideoLoraLoaderMixin
@@ -244,14 +246,14 @@ def read_init_lora(path: str, spec: FamilySpec, model: torch.nn.Module) -> InitA
         state, metadata = cls.lora_state_dict(str(file), return_lora_metadata=True)
     except Exception as e:  # noqa: BLE001 — the converters raise ValueError, KeyError, IndexError on foreign keys
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise UserError(f"finetune.init_lora: {file} is not a LoRA {cls.__name__} reads ({type(e).__name__}: "
+        raise UserError(f"{setting}: {file} is not a LoRA {cls.__name__} reads ({type(e).__name__}: "
                         f"{reason}); is it an adapter of model.family {spec.name}?") from None  # fmt: skip
     if isinstance(state, tuple):  # mixins that also return network alphas
         state = state[0]
     prefix = "transformer."
     adapter = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
     if not adapter:
-        raise UserError(f"finetune.init_lora: {file} holds no transformer adapter (keys like {list(state)[:2]})")
+        raise UserError(f"{setting}: {file} holds no transformer adapter (keys like {list(state)[:2]})")
     metadata = {k.removeprefix(prefix): v for k, v in (metadata or {}).items() if k.startswith(prefix)} or None
     modules = dict(model.named_modules())
     rank = {}
@@ -262,14 +264,14 @@ def read_init_lora(path: str, spec: FamilySpec, model: torch.nn.Module) -> InitA
             what = (
                 f"has no linear layer {module!r}" if kind in ("A.weight", "B.weight") else f"cannot start from {kind!r}"
             )
-            raise UserError(f"finetune.init_lora: {file}: the first bad key is {prefix}{key}: "
+            raise UserError(f"{setting}: {file}: the first bad key is {prefix}{key}: "
                             f"{type(model).__name__} {what} (another model's adapter, or LoRA bias/DoRA)")  # fmt: skip
         partner = adapter.get(f"{module}.lora_{'B' if kind[0] == 'A' else 'A'}.weight")
         r = value.shape[0] if kind[0] == "A" else value.shape[-1]
         fits = (value.shape == (r, layer.in_features)) if kind[0] == "A" else (value.shape == (layer.out_features, r))
         if not fits or partner is None or (partner.shape[0] if kind[0] == "B" else partner.shape[-1]) != r:
             expect = f"({r}, {layer.in_features})" if kind[0] == "A" else f"({layer.out_features}, {r})"
-            raise UserError(f"finetune.init_lora: {file}: the first bad key is {prefix}{key}: shape "
+            raise UserError(f"{setting}: {file}: the first bad key is {prefix}{key}: shape "
                             f"{tuple(value.shape)}, {module} of {type(model).__name__} takes {expect} with its "
                             f"{'lora_B' if kind[0] == 'A' else 'lora_A'} of rank {r}: an adapter of another model "
                             "size?")  # fmt: skip
@@ -529,15 +531,32 @@ def init_adapter(recipe: Recipe, spec: FamilySpec, model: torch.nn.Module) -> In
     return None if path is None else read_init_lora(path, spec, model)
 
 
+def base_adapter(recipe: Recipe, spec: FamilySpec, model: torch.nn.Module) -> InitAdapter | None:
+    """`finetune.base_adapter` (train/base_adapter.py) read for `model` (before its adapters are added), or None."""
+    path = recipe.finetune.base_adapter if recipe.finetune.method == "lora" else None
+    return None if path is None else read_init_lora(path, spec, model, setting="finetune.base_adapter")
+
+
+def add_adapters(recipe: Recipe, spec: FamilySpec, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """LoRA / full on `model` (apply_finetune), and the adapters' starting values, whole: the trained ones
+    (`finetune.init_lora` or seeded), then the frozen `finetune.base_adapter` beside them."""
+    adapter, base = init_adapter(recipe, spec, model), base_adapter(recipe, spec, model)
+    apply_finetune(model, recipe.finetune, spec, recipe.train.master_weights, adapter)
+    values = initial_adapters(model, adapter, seed=recipe.train.seed)
+    if base is not None:
+        from .base_adapter import add_base_adapter
+
+        values |= add_base_adapter(model, base)
+    return values
+
+
 def whole_model(recipe: Recipe, spec: FamilySpec) -> torch.nn.Module:
     """The trainable transformer whole, as one process starts it: loaded (or randomly initialised), LoRA or full,
     the adapters at their seeded initial values. The start of every run without the sharded start, and the serial
     reference runs compare with (tests/harness.py `first_step`)."""
     model = load_transformer(recipe.model, spec, seed=recipe.train.seed)
-    adapter = init_adapter(recipe, spec, model)
-    apply_finetune(model, recipe.finetune, spec, recipe.train.master_weights, adapter)
     with torch.no_grad():
-        for name, value in initial_adapters(model, adapter, seed=recipe.train.seed).items():
+        for name, value in add_adapters(recipe, spec, model).items():
             model.get_parameter(name).copy_(value)
     set_dora_magnitudes(model)
     return model
@@ -551,9 +570,7 @@ def build_model(
     cfg, t, sharded = recipe.model, recipe.train, recipe.model.sharded_load and recipe.parallel.fsdp
     if sharded:
         model = meta_transformer(cfg, spec)
-        adapter = init_adapter(recipe, spec, model)
-        apply_finetune(model, recipe.finetune, spec, recipe.train.master_weights, adapter)
-        lora = initial_adapters(model, adapter, seed=t.seed)
+        lora = add_adapters(recipe, spec, model)
     else:  # whole on every rank, adapters set: parallelize checks every rank holds the same
         model, lora = whole_model(recipe, spec).to(device), {}
     folder = pretrained_folder(cfg) if sharded and cfg.init_config is None else None

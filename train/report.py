@@ -296,7 +296,9 @@ def _outputs(run: Run) -> list[tuple[str, object]]:
     them), the latest checkpoint, and the wandb runs (with the sync command when offline)."""
     r, out = run.recipe, run.out
     kind = r.exported
-    weights = {"lora": (out / "lora", "`<Pipeline>.load_lora_weights(path)`"),
+    lokr = r.finetune.adapter == "lokr"  # diffusers' LoKr loader: the transformer's, not the pipeline's
+    load = '`pipe.transformer.load_lora_adapter(path, prefix="transformer")`' if lokr else "`<Pipeline>.load_lora_weights(path)`"
+    weights = {"lora": (out / "lora", load),
                "full": (out / "transformer", "`<Transformer>.from_pretrained(path)`")}.get(kind)  # fmt: skip
     if kind == "none":
         exported = "none (checkpoint.export: none)"

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from train.base_adapter import without_base_adapter
 from train.config import Recipe, ValidationConfig
 from train.errors import UserError
 from train.models.spec import FamilySpec
@@ -299,7 +300,8 @@ class Validation:
         devices = [self.device] if self.device.type == "cuda" else []
         autocast = torch.autocast(self.device.type, dtype=self.amp) if self.amp is not None else nullcontext()
         written = []
-        with (self._components_on_device(), self.weights(), inference(self.model),
+        # finetune.base_adapter: samples of the trained LoRA on the distilled base alone, as users run it
+        with (self._components_on_device(), self.weights(), inference(self.model), without_base_adapter(self.model),
               torch.random.fork_rng(devices=devices), autocast):  # fmt: skip
             for i, path in enumerate(paths):
                 out = self.pipe(**self._kwargs(i, step))[0][0]  # (F, H, W, 3) video or (H, W, 3) image, in [0, 1]
