@@ -38,14 +38,19 @@ TINY_PATH = Path(__file__).resolve().parents[1] / TINY
 
 
 def _adapted(kind: str, fp8_base: bool = False, moved: bool = True) -> torch.nn.Module:
-    """The tiny Wan (fp32) with `kind`'s adapters at peft's init, each tensor then moved by a seeded amount (the same
-    on every rank and call): factors off zero, DoRA's magnitudes off the norms."""
+    """The tiny Wan (fp32) with `kind`'s adapters at the seeded init (`lora_init`; DoRA's magnitudes at peft's norms),
+    each tensor then moved by a seeded amount (the same on every rank and call): factors off zero, DoRA's magnitudes
+    off the norms. `moved=False`: peft's own init, untouched."""
     model = build_model("wan", seed=0, dtype=torch.float32)
     cfg = FinetuneConfig(method="lora", lora_rank=RANK, lora_alpha=ALPHA, fp8_base=fp8_base, **KINDS[kind])
     names = apply_finetune(model, cfg, get_family("wan"), "fp32")
+    if not moved:
+        return model  # peft's own init (its draws from the global generator)
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
-        for n in names if moved else ():
+        for n, v in lora_init(model, seed=0).items():  # seeded: the same on every rank
+            model.get_parameter(n).copy_(v)
+        for n in names:
             p = model.get_parameter(n)
             p.add_(0.1 * torch.randn(p.shape, generator=gen))
     return model

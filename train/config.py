@@ -420,6 +420,9 @@ class FinetuneConfig(Section):
                              "finetune.adapter: lora, or dora: false"))  # fmt: skip
         if self.lora_dropout and self.adapter != "lora":
             problems.append(("lora_dropout", f"is LoRA's input dropout, and adapter is {self.adapter}; set it to 0"))
+        if self.base_adapter is not None and (self.adapter != "lora" or self.dora):
+            problems.append(("base_adapter", "is a frozen LoRA beside the trained plain LoRA; with adapter lokr / loha "
+                             "or dora it is not built: train adapter: lora, dora: false"))  # fmt: skip
         if self.init_lora is not None and (self.adapter != "lora" or self.dora):
             problems.append(("init_lora", "starts a plain LoRA from a file; with adapter lokr / loha or dora it "
                              "cannot: drop finetune.init_lora, or train adapter: lora, dora: false"))  # fmt: skip

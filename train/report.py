@@ -297,7 +297,8 @@ def _outputs(run: Run) -> list[tuple[str, object]]:
     r, out = run.recipe, run.out
     kind = r.exported
     lokr = r.finetune.adapter == "lokr"  # diffusers' LoKr loader: the transformer's, not the pipeline's
-    load = '`pipe.transformer.load_lora_adapter(path, prefix="transformer")`' if lokr else "`<Pipeline>.load_lora_weights(path)`"
+    load = ('`pipe.transformer.load_lora_adapter(path, prefix="transformer")`' if lokr
+            else "`<Pipeline>.load_lora_weights(path)`")  # fmt: skip
     weights = {"lora": (out / "lora", load),
                "full": (out / "transformer", "`<Transformer>.from_pretrained(path)`")}.get(kind)  # fmt: skip
     if kind == "none":
