@@ -742,6 +742,10 @@ class Recipe(Section):
             report([("ema.validation", "is true but there is no validation section to render with the EMA")])
         exported = self.exported
         ft = self.finetune
+        if self.model.both_experts and (ft.init_lora or ft.base_adapter):
+            key = "init_lora" if ft.init_lora else "base_adapter"
+            report([(f"finetune.{key}", "is one file, and model.both_experts trains two experts (each with LoRAs of "
+                     "its own): train each expert alone (model.subfolder) to start it from its file")])  # fmt: skip
         kind = "dora" if ft.dora else ft.adapter
         if self.checkpoint.export_format != "diffusers" and exported == "lora" and kind != "lora":
             report([("checkpoint.export_format", f"is {self.checkpoint.export_format}, but the original key formats "

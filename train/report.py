@@ -308,6 +308,12 @@ def _outputs(run: Run) -> list[tuple[str, object]]:
         ema = weights[0].with_name(f"{weights[0].name}_ema")
         if r.ema is not None:
             exported += f"; its EMA (decay {r.ema.decay:g}): `{ema}`" if ema.exists() else "; its EMA: not written"
+        second = weights[0].with_name(f"{weights[0].name}_2")  # model.both_experts: transformer_2's
+        if r.model.both_experts:
+            exported += f"; transformer_2's: `{second}` (`load_into_transformer_2=True`)" if second.exists() else ""
+        original = weights[0].with_name(f"{weights[0].name}_original")  # checkpoint.export_format original / both
+        if original.exists():
+            exported += f"; original keys (ComfyUI): `{original / 'lora.safetensors'}`"
     checkpoints = sorted((out / "checkpoints").glob("step_*")) if (out / "checkpoints").is_dir() else []
     wandb_runs = sorted((out / "wandb").glob("offline-run-*")) + sorted((out / "wandb").glob("run-*"))
     wandb = ", ".join(f"`{w}`" for w in wandb_runs) or "none"
