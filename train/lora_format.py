@@ -57,6 +57,11 @@ class Rename:
         return template.format(*numbers)
 
 
+def fused(diffusers: tuple[str, ...], original: str) -> tuple[Rename, ...]:
+    """The renames of diffusers modules fused into one original layer, in its concatenation order."""
+    return tuple(Rename(d, original, i, len(diffusers)) for i, d in enumerate(diffusers))
+
+
 @dataclass(frozen=True)
 class LoraFormat:
     """A family's original LoRA key format (see the module docstring). `name`: who reads it, for docs and notes."""

@@ -8,17 +8,12 @@ layers (block-diagonal up: each module's own adapter); it splits `single_blocks.
 (diffusers 0.42). Chroma and FLUX.1 Kontext share the names (ChromaPipeline and FluxKontextPipeline load through the
 same converter; Chroma's blocks have no modulation linears, its distilled guidance layer no name there)."""
 
-from train.lora_format import LoraFormat, Rename
-
-
-def _fused(diffusers: tuple[str, ...], original: str) -> tuple[Rename, ...]:
-    return tuple(Rename(d, original, i, len(diffusers)) for i, d in enumerate(diffusers))
-
+from train.lora_format import LoraFormat, Rename, fused
 
 _DOUBLE = (
-    *_fused(tuple(f"transformer_blocks.{{0}}.attn.{m}" for m in ("to_q", "to_k", "to_v")),
+    *fused(tuple(f"transformer_blocks.{{0}}.attn.{m}" for m in ("to_q", "to_k", "to_v")),
             "double_blocks.{0}.img_attn.qkv"),
-    *_fused(tuple(f"transformer_blocks.{{0}}.attn.{m}" for m in ("add_q_proj", "add_k_proj", "add_v_proj")),
+    *fused(tuple(f"transformer_blocks.{{0}}.attn.{m}" for m in ("add_q_proj", "add_k_proj", "add_v_proj")),
             "double_blocks.{0}.txt_attn.qkv"),
     *(Rename(f"transformer_blocks.{{0}}.{d}", f"double_blocks.{{0}}.{o}") for d, o in
       (("attn.to_out.0", "img_attn.proj"), ("attn.to_add_out", "txt_attn.proj"), ("ff.net.0.proj", "img_mlp.0"),
@@ -26,7 +21,7 @@ _DOUBLE = (
        ("norm1.linear", "img_mod.lin"), ("norm1_context.linear", "txt_mod.lin"))),
 )  # fmt: skip
 _SINGLE = (
-    *_fused(tuple(f"single_transformer_blocks.{{0}}.{m}" for m in ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")),
+    *fused(tuple(f"single_transformer_blocks.{{0}}.{m}" for m in ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")),
             "single_blocks.{0}.linear1"),
     Rename("single_transformer_blocks.{0}.proj_out", "single_blocks.{0}.linear2"),
     Rename("single_transformer_blocks.{0}.norm.linear", "single_blocks.{0}.modulation.lin"),

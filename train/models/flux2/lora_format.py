@@ -6,17 +6,12 @@ double-block `qkv` layers (block-diagonal up: each module's own adapter); the si
 diffusers' fused `to_qkv_mlp_proj` / `to_out` as they are. That converter has no names for the guidance embedder, the
 shared modulation layers or the final AdaLN: they are not in this format."""
 
-from train.lora_format import LoraFormat, Rename
-
-
-def _fused(diffusers: tuple[str, ...], original: str) -> tuple[Rename, ...]:
-    return tuple(Rename(d, original, i, len(diffusers)) for i, d in enumerate(diffusers))
-
+from train.lora_format import LoraFormat, Rename, fused
 
 _DOUBLE = (
-    *_fused(tuple(f"transformer_blocks.{{0}}.attn.{m}" for m in ("to_q", "to_k", "to_v")),
+    *fused(tuple(f"transformer_blocks.{{0}}.attn.{m}" for m in ("to_q", "to_k", "to_v")),
             "double_blocks.{0}.img_attn.qkv"),
-    *_fused(tuple(f"transformer_blocks.{{0}}.attn.{m}" for m in ("add_q_proj", "add_k_proj", "add_v_proj")),
+    *fused(tuple(f"transformer_blocks.{{0}}.attn.{m}" for m in ("add_q_proj", "add_k_proj", "add_v_proj")),
             "double_blocks.{0}.txt_attn.qkv"),
     *(Rename(f"transformer_blocks.{{0}}.{d}", f"double_blocks.{{0}}.{o}") for d, o in
       (("attn.to_out.0", "img_attn.proj"), ("attn.to_add_out", "txt_attn.proj"), ("ff.linear_in", "img_mlp.0"),
