@@ -579,11 +579,7 @@ def estimate(recipe: Recipe, world_size: int, device_type: str = "cuda", shape: 
 
     c: dict[str, float] = {}
     host: dict[str, float] = {}
-    # model.both_experts (train/experts.py): both experts' shards and optimizer state (and EMA) live all run; a step
-    # runs one expert, so one expert's gradients, gathers and activations
-    from train.models import get_family
-
-    experts = len(get_family(recipe.model.family).experts) if recipe.model.both_experts else 1
+    experts = _trained_experts(recipe)  # their shards, optimizer state and EMA; a step runs one (train/experts.py)
     c["parameters"] = experts * sharded(None)
     c["gradients"] = sharded(True)  # in the trained weights' dtype, sharded (FSDP2 reduce-scatters into the shard)
     c["optimizer state (AdamW)"] = experts * sum(optim.state_bytes(_padded_shard_numel(s, fsdp), e, t.optimizer)
@@ -642,6 +638,14 @@ def estimate(recipe: Recipe, world_size: int, device_type: str = "cuda", shape: 
     a2a = 4 * b * n * inner * elem * (cp - 1) / cp * shape.n_blocks * passes * t.grad_accum
     layout = _layout(recipe, world_size, offload)
     return Estimate(c, peak, first, host, a2a, tokens, text, layout)
+
+
+def _trained_experts(recipe: Recipe) -> int:
+    """Transformers a run holds trained: both experts of a mixture with model.both_experts, else one. A step runs one
+    of them, so its gradients, gathers and activations are one expert's."""
+    from train.models import get_family
+
+    return len(get_family(recipe.model.family).experts) if recipe.model.both_experts else 1
 
 
 def _optimizer_temporaries(t, shape: ModelShape, fsdp: int, foreach: bool) -> float:

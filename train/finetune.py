@@ -273,10 +273,14 @@ def bad_steps_error(streak: list[BadStep], ended: bool = False) -> UserError:
                      "train.lr / set train.max_grad_norm")  # fmt: skip
 
 
-def build_optimizer(params: list[torch.nn.Parameter], t: TrainConfig):
-    """AdamW (`train.optimizer`, `train.master_weights`: train/optim.py) and its learning-rate schedule."""
+def build_optimizer(params: list[torch.nn.Parameter], t: TrainConfig, partial_steps: bool = False):
+    """AdamW (`train.optimizer`, `train.master_weights`: train/optim.py) and its learning-rate schedule.
+    `partial_steps`: some parameters sit out steps (model.both_experts: one expert a step), so every parameter's
+    state is created now, as its first step would find it (optim.neutral_state)."""
     optimizer = optim.build(params, t.optimizer, t.master_weights, lr=t.lr, betas=tuple(t.betas), eps=t.eps,
                             weight_decay=t.weight_decay)  # fmt: skip
+    if partial_steps:
+        optim.neutral_state(optimizer)
     return optimizer, lr_schedule(optimizer, t, t.max_steps)
 
 
@@ -583,9 +587,7 @@ def main(argv: list[str] | None = None) -> None:
     # --- model: meta build → LoRA/full → CP hooks → activation levers → compile → FSDP2 → each rank's shard -------
     model, parallel = (build_experts if recipe.model.both_experts else build_model)(recipe, spec, mesh, device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer, scheduler = build_optimizer(params, t)
-    if isinstance(model, Experts):  # each step trains one expert: the other's state must exist, as if fresh
-        optim.neutral_state(optimizer)
+    optimizer, scheduler = build_optimizer(params, t, partial_steps=isinstance(model, Experts))
     ema = EMA.of(recipe.ema, model)  # None without `ema`: each rank averages its own shards
 
     # --- resume ---------------------------------------------------------------------------------------------------
