@@ -24,6 +24,7 @@ each test its job's per-rank results (a failed job raises in its own tests only)
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -509,6 +510,19 @@ def first_step(
 
 
 # ------------------------------------------------------------------------------------------------- process groups
+
+
+@contextlib.contextmanager
+def one_rank_group(tmp: Path):
+    """A 1-rank gloo group in this process, standing in for the job's where code under test runs collectives."""
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory(dir=tmp) as d:
+        dist.init_process_group("gloo", init_method=f"file://{d}/pg", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
 
 
 def spawn(fn: Callable[..., Any], world: int, *args: Any, init_group: bool = True) -> list[Any]:

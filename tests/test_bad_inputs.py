@@ -24,7 +24,6 @@ tests/test_resume.py share (`runs`, identical overrides).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import shutil
@@ -37,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import REPO, env, launch_command
+from tests.harness import REPO, env, launch_command, one_rank_group
 
 TIME_LIMIT_S = 120.0  # generous for a loaded 2-core machine; measured ~3-25 s each when idle (the table prints them)
 ERROR_LINE = re.compile(r"^(?:[\w./-]+: )?error: ", re.M)  # ours, or argparse's `prog: error:`
@@ -488,22 +487,6 @@ def _with_checkpoints(case: Case, where: dict[str, Path], request: pytest.Fixtur
 # ------------------------------------------------------------------------------------------------------ in-process
 
 
-@contextlib.contextmanager
-def _one_rank_group(tmp: Path):
-    """A 1-rank gloo group standing in for the job's (build_model's fetch and restore's verification are
-    collectives)."""
-    import tempfile
-
-    import torch.distributed as dist
-
-    with tempfile.TemporaryDirectory(dir=tmp) as d:
-        dist.init_process_group("gloo", init_method=f"file://{d}/pg", rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
-
-
 def _trainer_error(argv: list[str], world: int, tmp: Path) -> BaseException:
     """What train/finetune.py calls before its first step, in its order, until one raises: `parse_args` (what the
     entry point's `preflight` checks, and the model's config and tokens), then main()'s data (`build_dataset`,
@@ -530,7 +513,7 @@ def _trainer_error(argv: list[str], world: int, tmp: Path) -> BaseException:
         spec, m = family_spec(recipe.model), recipe.model
         dataset = build_dataset(recipe, spec, cache_reads(spec.name))
         check_text_lengths(dataset, spec, recipe)
-        with _one_rank_group(tmp):
+        with one_rank_group(tmp):
             startup_check(recipe, world, torch.device("cpu"))
             if recipe.parallel.cp > 1 and m.cp_plan is not None:
                 load_plan_file(m.cp_plan)

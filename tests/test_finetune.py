@@ -37,7 +37,7 @@ TINY = "recipes/tiny/wan.yaml"  # LoRA, 4 steps, batch 2, 35 video tokens, 7 hea
 CKPT = ("checkpoint.every_n_steps=1", "checkpoint.keep_last=3")
 SERIAL = ("parallel.cp=1", *CKPT)  # the serial tiny-wan LoRA run: tests/test_launch.py, test_resume.py, ... share it
 CP2 = ("parallel.cp=2", "logging.wandb_mode=offline", *CKPT)  # tests/test_report.py and test_validation.py share it
-FULL = ("finetune.method=full", "train.gradient_checkpointing=true")
+FULL = ("finetune.method=full", "train.gradient_checkpointing=true", "checkpoint.export_format=both")
 TIMING = ("transformer_tokens_per_s", "step_time_s", "peak_mem_bytes")  # measurements, not results: they may differ
 
 
@@ -160,6 +160,12 @@ def test_exported_weights_match_single_process(runs, method: str) -> None:
         init = WanTransformer3DModel.from_config(load_recipe(REPO / TINY).model.init_config)
         moved = [n for n, p in model.named_parameters() if not torch.equal(p, init.state_dict()[n])]
         assert len(moved) >= 0.9 * len(list(model.parameters()))
+        # the CP 2 run's Wan-original single file (export_format both), read by diffusers' from_single_file, is its
+        # diffusers folder tensor for tensor
+        single = WanTransformer3DModel.from_single_file(str(cp2.out / "transformer_original" / "model.safetensors"),
+                                                        config=str(cp2.out / "transformer"))  # fmt: skip
+        assert single.state_dict().keys() == a.keys()
+        assert all(torch.equal(t, a[k]) for k, t in single.state_dict().items())
 
 
 RESUMES = {"cp2_to_cp2": (2, 2), "cp2_to_cp1": (2, 1), "cp1_to_cp2": (1, 2)}

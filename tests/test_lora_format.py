@@ -8,6 +8,12 @@ another. Asserted: the converter consumes every key (it raises on leftovers, and
 missing keys), every adapted layer's weight update s * B @ A is the same in both (a fused layer split back exactly;
 zero blocks load as zero updates), and the transformer's output on the family's pipeline-form inputs is equal
 (fp32, <= 1e-6 relative).
+
+Full weights in the original layout (`LoraFormat.full`, train/original_full.py): a tiny transformer whose LoRA the
+full export merges is written both ways by the exporter (the diffusers folder and the original single file, on a
+1-rank group); diffusers' `from_single_file` (the family's `checkpoint_mapping_fn`) reads the single file back with
+the diffusers folder's config. Asserted: the converter's keys are exactly the model's, every tensor equal to the
+diffusers folder's (bitwise), and the output equal (fp32, <= 1e-6 relative).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import diffusers
 import pytest
 import torch
 
+from tests.harness import one_rank_group
 from train.config import FinetuneConfig
 from train.export import ORIGINAL_LORA_FILE, write_diffusers_lora, write_original_lora
 from train.lora_format import LoraFormat, Rename, check_format, to_original
@@ -28,6 +35,7 @@ from train.tools.oracle import forward
 from train.tools.tiny_models import FAMILY_NAMES, build_model, family_case, get_family, tiny_config
 
 FORMATS = [n for n in FAMILY_NAMES if get_family(n).lora_format is not None]
+FULL = [n for n in FORMATS if get_family(n).lora_format.full is not None and n != "flux_kontext"]  # FLUX.1's class
 RANK, ALPHA = 4, 8.0  # scale 2: the alpha tensors matter
 # diffusers' kohya FLUX.1 converter splits single_blocks.N.linear1 at FLUX.1's own widths (3 x 3072 + 12288 rows):
 # the tiny models adapt their double blocks only, and FLUX.1's single block is proven at its real width below
@@ -188,3 +196,52 @@ def test_unnamed_module_or_family_without_format_is_one_line() -> None:
         check_format(fmt, "wan", ["blocks.0.attn1.to_q", "vace_blocks.0.attn1.to_q"])
     with pytest.raises(UserError, match="hunyuan_video15 has no original LoRA key format"):
         check_format(None, "hunyuan_video15", ["x"])
+
+
+@pytest.mark.parametrize("family", FULL)
+def test_original_full_weights_load_through_from_single_file(family: str, tmp_path: Path) -> None:
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+    from safetensors.torch import load_file
+
+    from train.export import export_full
+    from train.original_full import ORIGINAL_FULL_FILE, export_original_full
+
+    spec = get_family(family)
+    if family == "flux":  # its converter splits linear1 at FLUX.1's widths: one block of each kind at that width
+        torch.manual_seed(0)
+        model = diffusers.FluxTransformer2DModel(**{**tiny_config("flux"), **FLUX_WIDTH, "num_layers": 1})
+    else:
+        model = _adapted(family, _tiny(family))  # the full export merges its LoRA: trained-like weights
+    with one_rank_group(tmp_path):
+        folder = export_full(model, tmp_path).path
+        single = export_original_full(model, spec.lora_format, tmp_path) / ORIGINAL_FULL_FILE
+    cls = type(model)
+    del model  # FLUX.1's width: ~2 GB a copy
+    reference = cls.from_pretrained(folder).eval()
+    expected = reference.state_dict()
+    convert = SINGLE_FILE_LOADABLE_CLASSES[cls.__name__]["checkpoint_mapping_fn"]
+    converted = convert(checkpoint=load_file(single), config=dict(reference.config))
+    assert set(converted) == set(expected), (sorted(set(converted) - set(expected))[:5],
+                                             sorted(set(expected) - set(converted))[:5])  # fmt: skip
+    del converted
+    loaded = cls.from_single_file(str(single), config=str(folder)).eval()
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    inputs = family_case(family, seed=1, dtype=torch.float32, batch_size=2)
+    with torch.no_grad():
+        a = torch.cat([t.flatten() for t in _outputs(forward(reference, inputs))])
+        b = torch.cat([t.flatten() for t in _outputs(forward(loaded, inputs))])
+    assert (a - b).abs().max() <= 1e-6 * a.abs().max(), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("family", ["chroma", "wan_animate", "hunyuan_video"])
+def test_full_original_export_without_a_layout_is_one_line(family: str) -> None:
+    """A full fine-tune asking for the original layout of a family that has none is refused before any step."""
+    from train.config import load_recipe
+    from train.errors import UserError
+    from train.modeling import check_model
+
+    recipe = load_recipe(f"recipes/tiny/{family}.yaml", ["finetune.method=full", "checkpoint.export_format=both"])
+    with pytest.raises(UserError, match=f"{family} has no original full-checkpoint layout here") as e:
+        check_model(recipe, get_family(family))
+    assert "\n" not in str(e.value)

@@ -600,9 +600,11 @@ class CheckpointConfig(Section):
     export: Literal["auto", "full", "lora", "none"] = "auto"
     """Final weights written to output_dir: auto = what was trained (lora adapters or the full transformer)."""
     export_format: Literal["diffusers", "original", "both"] = "diffusers"
-    """Key format of an exported LoRA: diffusers = `lora/`, the diffusers/PEFT file `load_lora_weights` reads;
-    original = `lora_original/lora.safetensors`, the model authors' key names (what ComfyUI and their code read,
-    train/lora_format.py; the families with one: docs/interop.md); both = the two folders."""
+    """Key format of the export: diffusers = `lora/`, the diffusers/PEFT file `load_lora_weights` reads (a full
+    fine-tune: `transformer/`, a from_pretrained folder); original = `lora_original/lora.safetensors`, the model
+    authors' key names (what ComfyUI and their code read, train/lora_format.py), or for full weights
+    `transformer_original/model.safetensors`, the authors' single-file checkpoint (train/original_full.py; the
+    families with each: docs/interop.md); both = the two folders."""
     export_every_checkpoint: bool = False
     """Each checkpoint also holds the trained weights in the export format (`step_N/lora/`, the file a pipeline's
     `load_lora_weights` reads, or `step_N/transformer/`, a `from_pretrained` folder; and the EMA's beside them),
@@ -757,10 +759,6 @@ class Recipe(Section):
         if exported == "full" and ft.method == "lora" and ft.adapter == "loha" and ft.fp8_base:
             report([("finetune.fp8_base", "rounds the base weights to float8, and a LoHa run exports merged into "
                      "them (no loader reads LoHa files); use fp8_base: false, or adapter: lora / lokr")])  # fmt: skip
-        if self.checkpoint.export_format != "diffusers" and exported == "full":
-            report([("checkpoint.export_format", f"is {self.checkpoint.export_format}, but full weights export in "
-                     "diffusers' layout only (a from_pretrained folder); set export_format: diffusers, or train "
-                     "finetune.method: lora")])  # fmt: skip
         if self.finetune.base_adapter is not None and exported == "full":
             report([("checkpoint.export", "is full, which would merge finetune.base_adapter into the exported "
                      "transformer; export the LoRA (auto or lora) to use it on the distilled base")])  # fmt: skip

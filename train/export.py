@@ -204,6 +204,17 @@ def _save_config(model: torch.nn.Module, path: Path) -> None:
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def gathered(model: torch.nn.Module, state: dict[str, torch.Tensor], entries: list[_Entry]):
+    """Each entry and its whole tensor, in order (collectives: every rank walks it); on rank 0 with the active
+    adapters merged in fp32 and cast back to the base weight's dtype (elsewhere not merged: only rank 0 writes)."""
+    for e in entries:
+        value = _full(state[e.source])
+        adapters = {k.removeprefix(f"{e.layer}."): _full(state[k]) for k in e.adapter_keys}
+        if adapters and dist.get_rank() == 0:
+            value = _merged(model.get_submodule(e.layer), value, adapters).to(value.dtype)
+        yield e, value
+
+
 @torch.no_grad()
 def export_full(
     model: torch.nn.Module, out_dir: Path, max_shard_size: int | str = "2GB", name: str = "transformer"
@@ -226,13 +237,9 @@ def export_full(
     left = {file: len(keys) for file, keys in plan.filename_to_tensors.items()}
     open_shards: dict[str, dict[str, torch.Tensor]] = {file: {} for file in left}
     buffered = peak = 0
-    for e in entries:
-        value = _full(state[e.source])
-        gathered = {k.removeprefix(f"{e.layer}."): _full(state[k]) for k in e.adapter_keys}
+    for e, value in gathered(model, state, entries):
         if rank != 0:
             continue
-        if gathered:  # the active adapters merged in fp32, cast back to the base weight's dtype
-            value = _merged(model.get_submodule(e.layer), value, gathered).to(value.dtype)
         file = plan.tensor_to_filename[e.key]
         open_shards[file][e.key] = value.contiguous()
         buffered += value.nbytes

@@ -71,6 +71,7 @@ from train.metrics import MetricsLogger, device_memory, peak_memory_bytes
 from train.modeling import build_model, check_model, describe_start, family_spec
 from train.models import cache_reads, transformer_config
 from train.models.spec import FamilySpec
+from train.original_full import export_original_full
 from train.parallel import Mesh, ParallelDims, Parallelized
 from train.report import record_memory, report_at_end
 from train.resume import plan_resume
@@ -484,11 +485,16 @@ def _export_one(recipe: Recipe, spec: FamilySpec, model: torch.nn.Module, out_di
                            diffusers_keys=keys != "original")  # fmt: skip
     if kind != "full":
         return []
-    full = export_full(model, out_dir, name=f"transformer{suffix}")
-    if dist.get_rank() == 0:  # streamed: rank 0 never holds more than one shard + one tensor
-        print(f"export: {full.path.name}: {full.shards} shard(s), {full.total_bytes / 2**20:.1f} MiB; "
-              f"rank 0 peak buffered {full.peak_buffered_bytes / 2**20:.1f} MiB")  # fmt: skip
-    return [full.path]
+    written, keys = [], recipe.checkpoint.export_format
+    if keys != "original":
+        full = export_full(model, out_dir, name=f"transformer{suffix}")
+        if dist.get_rank() == 0:  # streamed: rank 0 never holds more than one shard + one tensor
+            print(f"export: {full.path.name}: {full.shards} shard(s), {full.total_bytes / 2**20:.1f} MiB; "
+                  f"rank 0 peak buffered {full.peak_buffered_bytes / 2**20:.1f} MiB")  # fmt: skip
+        written.append(full.path)
+    if keys != "diffusers":  # the authors' single file (train/original_full.py), streamed the same way
+        written.append(export_original_full(model, spec.lora_format, out_dir, name=f"transformer{suffix}"))
+    return written
 
 
 def export(recipe: Recipe, spec: FamilySpec, model: torch.nn.Module, out_dir: Path, ema: EMA | None,

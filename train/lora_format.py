@@ -78,6 +78,10 @@ class LoraFormat:
     # its diffusers path
     keep_names: bool = False
     metadata: Mapping[str, str] = field(default_factory=dict)
+    # Full weights in the original checkpoint's names (`checkpoint.export_format` of a full fine-tune), as the
+    # authors' single-file checkpoint holds them: None when the family has none here. Each parameter takes the first
+    # of: a rename in `full` (matching its name, or its module's), a LoRA rename of its module, its own name.
+    full: tuple[Rename, ...] | None = None
 
     def original_of(self, module: str) -> tuple[Rename, tuple[str, ...]] | None:
         for rename in self.renames:
@@ -94,6 +98,21 @@ class LoraFormat:
     def unmapped(self, modules: list[str]) -> list[str]:
         """The adapted modules this format has no name for (the original loader would not read them)."""
         return [m for m in modules if self.original_of(m) is None]
+
+    def original_param(self, name: str) -> tuple[str, Rename]:
+        """A diffusers parameter's name in the original full checkpoint, and the rename that placed it (its part of a
+        fused tensor, its row order)."""
+        module, _, leaf = name.rpartition(".")
+        for rename in self.full or ():
+            for path, tail in ((name, ""), (module, f".{leaf}")):
+                numbers = rename.match(path)
+                if numbers is not None:
+                    return rename.fill(rename.original, numbers) + tail, rename
+        for rename in self.renames:
+            numbers = rename.match(module)
+            if numbers is not None:
+                return f"{rename.fill(rename.original, numbers)}.{leaf}", rename
+        return name, Rename(name, name)
 
 
 def check_format(fmt: LoraFormat | None, family: str, modules: list[str]) -> None:

@@ -114,9 +114,13 @@ def check_model(recipe: Recipe, spec: FamilySpec) -> None:
         with init_empty_weights(include_buffers=False):
             meta = cls.from_config(config)
         check_weights(folder, {k: tuple(t.shape) for k, t in meta.state_dict().items()})
-    f = recipe.finetune
-    if f.method == "lora" and (f.init_lora or f.base_adapter or recipe.checkpoint.export_format != "diffusers"):
+    f, keys = recipe.finetune, recipe.checkpoint.export_format
+    if f.method == "lora" and (f.init_lora or f.base_adapter or (keys != "diffusers" and recipe.exported == "lora")):
         check_adapters(recipe, spec)
+    full_layout = spec.lora_format is not None and spec.lora_format.full is not None
+    if recipe.exported == "full" and keys != "diffusers" and not full_layout:
+        raise UserError(f"checkpoint.export_format: {spec.name} has no original full-checkpoint layout here "
+                        "(its diffusers folder is what its loaders read); set export_format: diffusers")  # fmt: skip
     shapes = _sample_shapes(recipe, spec)  # reads the cache's manifest: a missing cache is named here, early
     if recipe.parallel.cp > 1:
         check_tokens(recipe.parallel.cp, spec, shapes, config)
@@ -130,7 +134,7 @@ def check_adapters(recipe: Recipe, spec: FamilySpec) -> None:
 
     model = meta_transformer(recipe.model, spec)
     add_adapters(recipe, spec, model)
-    if recipe.checkpoint.export_format == "diffusers":
+    if recipe.checkpoint.export_format == "diffusers" or recipe.exported != "lora":
         return
     modules = [n.removesuffix(".lora_A.default.weight") for n, _ in model.named_parameters()
                if n.endswith(".lora_A.default.weight")]  # fmt: skip

@@ -51,4 +51,6 @@ SPEC = dataclasses.replace(
     shift=ShiftSpec.linear_mu("diffusers.pipelines.chroma.pipeline_chroma", shift=3.0),
     build_inputs=build_inputs,
     batch_keys=("latents", "prompt_embeds", "prompt_mask"),
+    # FLUX.1's LoRA names; no full weights in the original layout here (its distilled guidance layer is named apart)
+    lora_format=dataclasses.replace(flux.SPEC.lora_format, full=None),
 )

@@ -27,4 +27,22 @@ _SINGLE = (
     Rename("single_transformer_blocks.{0}.norm.linear", "single_blocks.{0}.modulation.lin"),
 )  # fmt: skip
 
-FORMAT = LoraFormat(name="FLUX.1 original (ComfyUI, kohya sd-scripts)", renames=_DOUBLE + _SINGLE)
+# Full weights (BFL's single-file checkpoint, which `from_single_file`'s
+# `convert_flux_transformer_checkpoint_to_diffusers` reads; it too splits linear1 at FLUX.1's widths): the embedders,
+# the RMSNorms' `scale`, and the final AdaLN with BFL's (shift, scale) halves where diffusers has (scale, shift).
+_EMBEDDERS = (("timestep_embedder", "time_in"), ("text_embedder", "vector_in"), ("guidance_embedder", "guidance_in"))
+_NORMS = (("norm_q", "img_attn.norm.query_norm"), ("norm_k", "img_attn.norm.key_norm"),
+          ("norm_added_q", "txt_attn.norm.query_norm"), ("norm_added_k", "txt_attn.norm.key_norm"))  # fmt: skip
+_FULL = (
+    *(Rename(f"time_text_embed.{d}.linear_{i}", f"{o}.{layer}") for d, o in _EMBEDDERS
+      for i, layer in ((1, "in_layer"), (2, "out_layer"))),
+    Rename("context_embedder", "txt_in"),
+    Rename("x_embedder", "img_in"),
+    *(Rename(f"transformer_blocks.{{0}}.attn.{d}.weight", f"double_blocks.{{0}}.{o}.scale") for d, o in _NORMS),
+    *(Rename(f"single_transformer_blocks.{{0}}.attn.{d}.weight", f"single_blocks.{{0}}.norm.{o}.scale")
+      for d, o in (("norm_q", "query_norm"), ("norm_k", "key_norm"))),
+    Rename("proj_out", "final_layer.linear"),
+    Rename("norm_out.linear", "final_layer.adaLN_modulation.1", rows=(1, 0)),
+)  # fmt: skip
+
+FORMAT = LoraFormat(name="FLUX.1 original (ComfyUI, kohya sd-scripts)", renames=_DOUBLE + _SINGLE, full=_FULL)

@@ -32,6 +32,22 @@ _OUTSIDE = tuple(
     )
 )
 
+# Full weights (BFL's single-file checkpoint, which `from_single_file`'s
+# `convert_flux2_transformer_checkpoint_to_diffusers` reads): the guidance embedder, the shared modulations, the
+# RMSNorms' `scale` and the final AdaLN with BFL's (shift, scale) halves where diffusers has (scale, shift).
+_NORMS = (("norm_q", "img_attn.norm.query_norm"), ("norm_k", "img_attn.norm.key_norm"),
+          ("norm_added_q", "txt_attn.norm.query_norm"), ("norm_added_k", "txt_attn.norm.key_norm"))  # fmt: skip
+_FULL = (
+    Rename("time_guidance_embed.guidance_embedder.linear_1", "guidance_in.in_layer"),
+    Rename("time_guidance_embed.guidance_embedder.linear_2", "guidance_in.out_layer"),
+    *(Rename(f"{m}.linear", f"{m}.lin") for m in ("double_stream_modulation_img", "double_stream_modulation_txt",
+                                                    "single_stream_modulation")),
+    *(Rename(f"transformer_blocks.{{0}}.attn.{d}.weight", f"double_blocks.{{0}}.{o}.scale") for d, o in _NORMS),
+    *(Rename(f"single_transformer_blocks.{{0}}.attn.{d}.weight", f"single_blocks.{{0}}.norm.{o}.scale")
+      for d, o in (("norm_q", "query_norm"), ("norm_k", "key_norm"))),
+    Rename("norm_out.linear", "final_layer.adaLN_modulation.1", rows=(1, 0)),
+)  # fmt: skip
+
 FORMAT = LoraFormat(
-    name="FLUX.2 original (ComfyUI, kohya sd-scripts)", renames=_DOUBLE + _SINGLE + _OUTSIDE, kohya=True
+    name="FLUX.2 original (ComfyUI, kohya sd-scripts)", renames=_DOUBLE + _SINGLE + _OUTSIDE, kohya=True, full=_FULL
 )

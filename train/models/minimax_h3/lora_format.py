@@ -32,4 +32,19 @@ _OUTSIDE = tuple(
     )
 )
 
-FORMAT = LoraFormat(name="MiniMax-H3 original (ai-toolkit, ComfyUI)", renames=_BLOCKS + _OUTSIDE)
+# Full weights (the published single file, Comfy-Org/MiniMax-H3, which `from_single_file`'s
+# `convert_minimax_h3_transformer_checkpoint_to_diffusers` reads with its default `[q; k; v]` stack): the blocks' norms
+# under the original block names, and the gated MLP's fc1 as `[gate; value]` where diffusers' SwiGLU has
+# `[value; gate]`.
+_FULL = tuple(
+    r
+    for d, o in (("transformer_blocks", "blocks"), ("token_refiner.refiner_blocks", "token_refiner.blocks"))
+    for r in (
+        Rename(f"{d}.{{0}}.norm{{1}}", f"{o}.{{0}}.norm{{1}}"),
+        Rename(f"{d}.{{0}}.attn.norm_q", f"{o}.{{0}}.attn.q_norm"),
+        Rename(f"{d}.{{0}}.attn.norm_k", f"{o}.{{0}}.attn.k_norm"),
+        Rename(f"{d}.{{0}}.ff.net.0.proj", f"{o}.{{0}}.mlp.fc1", rows=(1, 0)),
+    )
+) + (Rename("norm_out.norm", "final_layer.norm"),)
+
+FORMAT = LoraFormat(name="MiniMax-H3 original (ai-toolkit, ComfyUI)", renames=_BLOCKS + _OUTSIDE, full=_FULL)

@@ -4,11 +4,13 @@ tokens."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from train.lora_format import fused
 from train.models import Batch, Config, Shapes, Streams
 from train.models.qwenimage.lora_format import FORMAT
 from train.models.qwenimage.spec import SCHEDULER_CONFIG as QWEN_IMAGE_SCHEDULER
@@ -58,6 +60,14 @@ def unpack_output(out: Any, latents_shapes: Shapes, *, model_config: Config) -> 
     return {"latents": QwenImage21Pipeline._unpack_latents(target, height, width, 1)}
 
 
+# Full weights as ComfyUI's single file holds them (what `from_single_file`'s
+# `convert_qwen_image21_transformer_checkpoint_to_diffusers` reads): diffusers' names, the SwiGLU's gate and up
+# projections fused in one `gate_up`, gate rows first.
+FULL_FORMAT = dataclasses.replace(FORMAT, full=fused(
+    ("transformer_blocks.{0}.img_mlp.gate_layer", "transformer_blocks.{0}.img_mlp.proj"),
+    "transformer_blocks.{0}.img_mlp.gate_up"))  # fmt: skip
+
+
 def shift_seq_len(latents_shape: Sequence[int]) -> int:
     *_, height, width = latents_shape
     return height * width  # the pipeline's latents.shape[1]: one token per latent pixel
@@ -65,7 +75,7 @@ def shift_seq_len(latents_shape: Sequence[int]) -> int:
 
 SPEC = FamilySpec(
     name="qwenimage21",
-    lora_format=FORMAT,  # Qwen-Image's: the pipeline's QwenImageLoraLoaderMixin reads it
+    lora_format=FULL_FORMAT,  # Qwen-Image's LoRA keys (the pipeline's QwenImageLoraLoaderMixin reads them)
     classes=Classes("QwenImage21Transformer2DModel", "QwenImage21Pipeline", "AutoencoderKLQwenImage21"),
     latent_kind="image",
     # Qwen/Qwen-Image-2.1 scheduler/scheduler_config.json (relevant keys), as third-party copies of the released file

@@ -29,4 +29,17 @@ _OUTSIDE = tuple(
     )
 )
 
-FORMAT = LoraFormat(name="Wan original (ComfyUI, musubi-tuner)", renames=_BLOCK + _OUTSIDE)
+# Full weights (Wan-AI's single-file checkpoint, which `from_single_file`'s `convert_wan_transformer_to_diffusers`
+# reads): what the LoRA renames do not name. diffusers' norm2 (the affine cross-attention norm) is Wan's norm3.
+_FULL = (
+    *(Rename(f"blocks.{{0}}.{d}.{n}", f"blocks.{{0}}.{o}.{n}") for d, o in (("attn1", "self_attn"),
+      ("attn2", "cross_attn")) for n in ("norm_q", "norm_k")),
+    Rename("blocks.{0}.attn2.norm_added_k", "blocks.{0}.cross_attn.norm_k_img"),
+    Rename("blocks.{0}.norm2", "blocks.{0}.norm3"),
+    Rename("blocks.{0}.scale_shift_table", "blocks.{0}.modulation"),
+    Rename("scale_shift_table", "head.modulation"),
+    Rename("condition_embedder.image_embedder.norm1", "img_emb.proj.0"),
+    Rename("condition_embedder.image_embedder.norm2", "img_emb.proj.4"),
+)  # fmt: skip
+
+FORMAT = LoraFormat(name="Wan original (ComfyUI, musubi-tuner)", renames=_BLOCK + _OUTSIDE, full=_FULL)

@@ -47,4 +47,7 @@ SPEC = dataclasses.replace(
     build_inputs=build_inputs,
     batch_keys=("latents", "prompt_embeds", "reference_latents", "image_embeds", "pose_latents", "face_pixels"),
     lora_targets=tuple(f"{attn}.{p}" for attn in ("attn1", "attn2") for p in ATTENTION_PROJECTIONS),
+    # no full weights in the original layout: the authors' motion encoder holds its conv biases as (1, C, 1, 1) and
+    # its face adapter fuses k and v, which no rename expresses
+    lora_format=dataclasses.replace(wan.SPEC.lora_format, full=None),
 )
