@@ -525,6 +525,48 @@ def one_rank_group(tmp: Path):
             dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def full_disk(where: Callable[[str], bool], room: int = 512):
+    """DCP's shard streams whose path satisfies `where` take `room` bytes, then fail with ENOSPC, as a full disk does
+    under torch's serializer (which raises its own RuntimeError "unexpected pos" with the OSError as context)."""
+    import errno
+    from io import RawIOBase
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class Full(RawIOBase):
+        def __init__(self, stream) -> None:
+            self.stream, self.taken = stream, 0
+
+        def write(self, data) -> int:
+            self.taken += len(data)
+            if self.taken > room:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return self.stream.write(data)
+
+        def writable(self) -> bool:
+            return True
+
+        def tell(self) -> int:
+            return self.stream.tell()
+
+        def seek(self, *args) -> int:
+            return self.stream.seek(*args)
+
+    real = FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with real(self, path, mode) as stream:
+            yield Full(stream) if "w" in mode and where(str(path)) else stream
+
+    FileSystem.create_stream = create_stream
+    try:
+        yield
+    finally:
+        FileSystem.create_stream = real
+
+
 def spawn(fn: Callable[..., Any], world: int, *args: Any, init_group: bool = True) -> list[Any]:
     """`fn(rank, world, *args)` on `world` gloo processes forked from the warm process (`fn` importable by name,
     `args` picklable); each rank's result, in rank order. `init_group=False`: `fn` makes the process group itself

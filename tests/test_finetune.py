@@ -295,18 +295,23 @@ def _export_fault_rank(rank: int, world: int, out: str, fault: str) -> dict:
 
     def faulty(tensors, filename, metadata=None):
         if ".transformer.partial" in str(filename):
-            if fault == "disk full":
+            if fault.startswith("disk full"):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(filename))
             os.kill(os.getpid(), signal.SIGTERM)
         return real(tensors, filename, metadata)
 
     safetensors.torch.save_file = faulty
+    disk = contextlib.ExitStack()  # (open until this rank returns)
+    if fault == "disk full everywhere":  # the checkpoint written in the export's place fails too
+        from tests.harness import full_disk
+
+        disk.enter_context(full_disk(lambda path: "checkpoints" in path))
     sets = (f"output_dir={out}", *QUIET, *FULL, "parallel.cp=2")
     argv = [
         "--recipe",
         str(REPO / TINY),
         *[a for s in sets for a in ("--set", s)],
-        *(["--resume"] * (fault != "disk full")),
+        *(["--resume"] * (fault == "sigterm")),
     ]
     said, printed = None, io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -336,6 +341,16 @@ def test_a_failed_export_leaves_a_checkpoint_that_resume_exports(runs, tmp_path:
     assert (out / "checkpoints" / "step_000004" / "COMPLETE").exists()
     assert not (out / "transformer").exists() and not list(out.glob(".transformer*"))
 
+    # The disk full for the checkpoint too: one line naming both failures and that no checkpoint exists (no
+    # --resume advised: nothing to resume), no checkpoint folder left behind.
+    lost = tmp_path / "lost"
+    failed = spawn(_export_fault_rank, 2, str(lost), "disk full everywhere", init_group=False)
+    said = failed[0]["said"]
+    assert failed[1]["said"] == said and said is not None and "\n" not in said, failed
+    assert "the checkpoint written in its place failed too (rank 0: No space left on device)" in said, said
+    assert "no complete checkpoint exists" in said and "--resume" not in said, said
+    assert not list((lost / "checkpoints").glob("*")) and not list(lost.glob(".transformer*"))
+
     resumed = spawn(_export_fault_rank, 2, str(out), "sigterm", init_group=False)
     assert resumed[0]["said"] is None and resumed[1]["said"] is None, resumed
     printed = resumed[0]["printed"]
@@ -348,3 +363,66 @@ def test_a_failed_export_leaves_a_checkpoint_that_resume_exports(runs, tmp_path:
     for name in shards:
         a, b = load_file(out / "transformer" / name), load_file(ref / "transformer" / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def _rotation_rank(rank: int, world: int, out: str) -> dict:
+    """train/finetune.py's `main` (the tiny LoRA recipe, 1 process, 3 steps, a checkpoint and its export after each,
+    keep_last 1) with every write and deletion under `out` recorded in order, and the export of step 3's checkpoint
+    failing (ENOSPC at its adapter file)."""
+    import contextlib
+    import errno
+    import io
+    import os
+
+    import safetensors.torch
+
+    from tests.harness import QUIET
+    from train import checkpoint, finetune
+
+    events, real_save, real_rmtree = [], safetensors.torch.save_file, checkpoint.shutil.rmtree
+
+    def save_file(tensors, filename, metadata=None):
+        if "step_000003" in str(filename) and ".lora.partial" in str(filename):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(filename))
+        real_save(tensors, filename, metadata)
+        events.append(("wrote", os.path.relpath(filename, out)))
+
+    def rmtree(path, *args, **kwargs):
+        events.append(("deleted", os.path.relpath(path, out)))
+        return real_rmtree(path, *args, **kwargs)
+
+    safetensors.torch.save_file, checkpoint.shutil.rmtree = save_file, rmtree
+    sets = (f"output_dir={out}", *QUIET, "parallel.cp=1", "train.max_steps=3", "checkpoint.every_n_steps=1",
+            "checkpoint.keep_last=1", "checkpoint.export_every_checkpoint=true")  # fmt: skip
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):
+        finetune.main(["--recipe", str(REPO / TINY), *[a for s in sets for a in ("--set", s)]])
+    return {"events": events, "stderr": printed.getvalue()}
+
+
+def test_rotation_keeps_the_last_export_until_its_successor_is_complete(tmp_path: Path) -> None:
+    """keep_last 1 with an export in every checkpoint: the previous checkpoint (and its export) is deleted only after
+    the new checkpoint's export is written; when that export fails, nothing is rotated away, so the run still holds
+    an intermediate export (step 2's) beside step 3's complete checkpoint."""
+    from tests.harness import spawn
+
+    out = tmp_path / "rotation"
+    (done,) = spawn(_rotation_rank, 1, str(out), init_group=False)
+    events = done["events"]
+    # a checkpoint deleted whole, or its adapter file written (into the export's staging folder, then renamed)
+    order = [
+        (what, path.split("/")[1])
+        for what, path in events
+        if path.startswith("checkpoints/")
+        and (path.count("/") == 1 if what == "deleted" else path.endswith(".safetensors") and "lora" in path)
+    ]
+    assert order == [("wrote", "step_000001"), ("wrote", "step_000002"), ("deleted", "step_000001")], events
+    assert (
+        "step 3: the checkpoint's export" in done["stderr"]
+        and "older checkpoints with their exports are kept" in (done["stderr"])
+    ), done["stderr"]
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert ckpts == ["step_000002", "step_000003"], ckpts
+    assert list((out / "checkpoints" / "step_000002" / "lora").glob("*.safetensors"))
+    assert (out / "checkpoints" / "step_000003" / "COMPLETE").exists()
+    assert not (out / "checkpoints" / "step_000003" / "lora").exists()

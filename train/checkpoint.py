@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from train.errors import UserError
+from train.runtime import keep_alive
 
 MANIFEST, COMPLETE, TRAINER_STATE = "manifest.json", "COMPLETE", "trainer.json"
 
@@ -94,13 +95,21 @@ class _RecordingWriter(FileSystemWriter):
     written: list[str]  # set by write_data, which DCP calls once per save
 
     def write_data(self, plan, planner):
-        fut = super().write_data(plan, planner)  # synchronous: the future is already done
-        self.written = sorted({r.storage_data.relative_path for r in fut.wait()})
+        try:
+            fut = super().write_data(plan, planner)  # synchronous: the future is already done
+            self.written = sorted({r.storage_data.relative_path for r in fut.wait()})
+        except Exception as e:
+            # A full disk surfaces as torch's serializer's RuntimeError ("unexpected pos") whose context is the
+            # ENOSPC; DCP pickles the failure to every rank, which drops that context: raise the OS error itself.
+            if (cause := os_error(e)) is not None and cause is not e:
+                raise cause from None
+            raise
         return fut
 
 
 def _describe(file: Path) -> dict[str, Any]:
     """Size and sha256 of a file, streamed (sha256 measured ~1 GB/s here, twice blake2b: hardware SHA)."""
+    keep_alive()
     digest = hashlib.sha256()
     with file.open("rb") as f:
         while chunk := f.read(1 << 20):
@@ -126,12 +135,30 @@ def parameters_finite(model: torch.nn.Module) -> bool:
     return bool(ok.item())
 
 
+class CheckpointFailed(UserError):
+    """A checkpoint write that failed on some rank (disk full, quota, permissions), the same on every rank: `cause`
+    (the first failing rank's OS error) and `latest`, the last complete checkpoint (None: there is none)."""
+
+    def __init__(self, step: int, path: Path, cause: str, latest: Path | None) -> None:
+        self.cause, self.latest = cause, latest
+        super().__init__(f"checkpoint step {step}: writing {path} failed ({cause}); {kept(latest)}")
+
+
+def kept(latest: Path | None) -> str:
+    """Where a run that could not write stands, and what helps: `--resume` only when a checkpoint exists."""
+    if latest is None:
+        return ("no complete checkpoint exists, so the steps trained so far are lost: free space (or fix the "
+                "folder), then start the run again")  # fmt: skip
+    return f"the latest complete checkpoint is {latest}: free space (or fix the folder), then rerun with --resume"
+
+
 def save_checkpoint(
-    output_dir: str | Path, step: int, app: AppState, trainer_state: dict, keep_last: int
+    output_dir: str | Path, step: int, app: AppState, trainer_state: dict, keep_last: int | None
 ) -> Path | None:
-    """Write checkpoint `step` (collective) and rotate to the last `keep_last`; return its path, or None (nothing
+    """Write checkpoint `step` (collective) and rotate to the last `keep_last` (None: the caller rotates, with
+    `rotate_checkpoints`, once what it adds to the checkpoint is complete); return its path, or None (nothing
     written) when a model parameter is not finite. A write that fails on any rank (disk full, quota, permissions) is
-    the same UserError on every rank, naming the latest complete checkpoint; the partial folder is removed."""
+    the same CheckpointFailed on every rank, naming the latest complete checkpoint; the partial folder is removed."""
     rank, root = dist.get_rank(), checkpoint_root(output_dir)
     if not parameters_finite(app.model):
         if rank == 0:
@@ -159,6 +186,7 @@ def save_checkpoint(
     if failure is None:
         # Each rank hashes the files it wrote itself: the hashing runs in parallel (total size / world per rank) and
         # reads data this host just wrote (page cache), where rank 0 alone would re-read every rank's shards serially.
+        keep_alive()  # the checkpoint phase's deadline: the DCP save, then each file hashed (train/runtime.py)
         entries = {name: _describe(path / name) for name in mine}
         gathered = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(entries, gathered, dst=0)
@@ -172,30 +200,47 @@ def save_checkpoint(
             except OSError as e:
                 failure = _write_failure(e)
             else:
-                # Rotation counts only checkpoints with a manifest and COMPLETE (this one is the newest of them and
-                # was just hashed from disk): a damaged or foreign directory never deletes the last good checkpoint.
-                saved = [p for p in _saved_checkpoints(output_dir) if p <= path]
-                for old in saved[:-keep_last]:
-                    shutil.rmtree(old, ignore_errors=True)
+                if keep_last is not None:
+                    rotate_checkpoints(output_dir, keep_last, path)
         failure = _agreed(failure)  # also the barrier that ends the save
     if failure is not None:
         if rank == 0:  # nothing half-written stays: the previous checkpoints are untouched
             shutil.rmtree(path, ignore_errors=True)
-        latest = (_saved_checkpoints(output_dir) or [None])[-1]
         dist.barrier()
-        raise UserError(f"checkpoint step {step}: writing {path} failed ({failure}); the latest complete checkpoint "
-                        f"is {latest or 'none'}: free space (or fix the folder), then rerun with --resume")  # fmt: skip
+        raise CheckpointFailed(step, path, failure, (_saved_checkpoints(output_dir) or [None])[-1])
     return path
+
+
+def rotate_checkpoints(output_dir: str | Path, keep_last: int, newest: Path) -> None:
+    """Rank 0: delete all but the last `keep_last` checkpoints up to `newest`. Counts only checkpoints with a manifest
+    and COMPLETE (`newest` is one, just hashed from disk): a damaged or foreign folder never deletes the last good one.
+    Callers rotate only once `newest` is whole, its export included (finetune.save_state)."""
+    saved = [p for p in _saved_checkpoints(output_dir) if p <= newest]
+    for old in saved[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def os_error(e: BaseException) -> OSError | None:
+    """The OSError behind `e` (itself, or in its cause/context chain), else None. A full disk surfaces as torch's
+    serializer's RuntimeError ("unexpected pos") whose context is the ENOSPC."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _write_failure(e: BaseException) -> str:
     """One line for a failed checkpoint write, naming the rank that failed: the OSError (disk full, quota,
-    permissions), or the first of those DCP's exception gathered from every rank; any other failure (a bug, not the
-    disk) is raised as it is."""
+    permissions) behind the first failure DCP gathered from every rank that has one; a failure without an OSError on
+    any rank (a bug, not the disk) is raised as it is."""
     failures = {r: f[0] for r, f in e.failures.items()} if isinstance(e, CheckpointException) else {dist.get_rank(): e}
-    if not failures or not all(isinstance(c, OSError) for c in failures.values()):
+    found = [(r, err) for r, f in sorted(failures.items()) if (err := os_error(f)) is not None]
+    if not found:
         raise e
-    rank, first = min(failures.items())
+    rank, first = found[0]
     return f"rank {rank}: {first.strerror or first}" + (f": {first.filename}" if first.filename else "")
 
 

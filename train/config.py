@@ -298,8 +298,9 @@ class TrainConfig(Section):
     """AdamW epsilon."""
     max_grad_norm: Annotated[float, Field(gt=0)] | None = 1.0
     """Clip the global gradient norm to this value; null = no clipping."""
-    seed: int = 42
-    """Seed for parameter init, data order, noise and timesteps (and, in train.prepare, the latent samples)."""
+    seed: int = Field(42, ge=0, lt=2**32)
+    """Seed for parameter init, data order, noise and timesteps (and, in train.prepare, the latent samples); below
+    2^32 (the data order's generators are seeded with seed x 1e6)."""
     gradient_checkpointing: bool = False
     """Recompute transformer block activations in backward (less memory, about one more forward of compute)."""
     checkpoint_every: Positive = 1
@@ -740,6 +741,16 @@ class Recipe(Section):
         if self.checkpoint.export_every_checkpoint and self.checkpoint.export == "none":
             report([("checkpoint.export_every_checkpoint", "is true but checkpoint.export is none: set export to auto "
                      "(or lora / full), or export_every_checkpoint to false")])  # fmt: skip
+        if self.ema is not None and self.ema.start_step >= self.train.max_steps:
+            n, last = self.ema.start_step, self.train.max_steps
+            what = "a copy of the last step's weights" if n == last else "the starting weights (no step enters it)"
+            report([("ema.start_step", f"is {n}, not below train.max_steps {last}: the exported EMA would be {what}; "
+                     "set start_step below max_steps")])  # fmt: skip
+        held = self.validation_loss.cache_dir if self.validation_loss is not None else None
+        if held is not None and (same := [c for c in self.data.cache_dirs() if _same_folder(c, held)]):
+            report([("validation_loss.cache_dir", f"is the training cache ({same[0]}): the held-out loss would be "
+                     "measured on trained samples; point it at a cache of other samples, or set cache_dir: null to "
+                     "hold out validation_loss.fraction of the training cache")])  # fmt: skip
         if self.ema is not None and self.ema.validation and self.validation is None:
             report([("ema.validation", "is true but there is no validation section to render with the EMA")])
         exported = self.exported
@@ -768,6 +779,14 @@ class Recipe(Section):
             report([("checkpoint.export", "is full, which would merge the adapters into the float8-rounded base "
                      "(finetune.fp8_base): use export lora (or auto) and load it on the bf16 base")])  # fmt: skip
         return self
+
+
+def _same_folder(a: str, b: str) -> bool:
+    """Whether two folder paths name one folder (through links, `~`, relative parts), existing or not."""
+    a_path, b_path = Path(a).expanduser(), Path(b).expanduser()
+    if a_path.exists() and b_path.exists():
+        return os.path.samefile(a_path, b_path)
+    return a_path.resolve() == b_path.resolve()
 
 
 # ------------------------------------------------------------------------------------------------------------ overrides
@@ -940,7 +959,8 @@ def check_inputs(recipe: Recipe, world_size: int) -> None:
     if not parent.is_dir():
         raise UserError(f"output_dir: {parent} is a file, not a folder; choose another output_dir")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"output_dir: cannot write in {parent} (permission denied); choose a writable output_dir")
+        why = "a read-only filesystem" if os.statvfs(parent).f_flag & os.ST_RDONLY else "permission denied"
+        raise UserError(f"output_dir: cannot write in {parent} ({why}); choose a writable output_dir")
 
 
 def preflight(argv: list[str]) -> None:

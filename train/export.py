@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from train.errors import UserError
 from train.lora_format import LoraFormat, peft_adapters, save_original, to_original
+from train.runtime import keep_alive
 
 # diffusers' names: diffusion_pytorch_model-00001-of-00003.safetensors, or diffusion_pytorch_model.safetensors alone
 ORIGINAL_LORA_FILE = "lora.safetensors"  # in <name>_original/: one file, as ComfyUI users copy it
@@ -208,6 +209,7 @@ def gathered(model: torch.nn.Module, state: dict[str, torch.Tensor], entries: li
     """Each entry and its whole tensor, in order (collectives: every rank walks it); on rank 0 with the active
     adapters merged in fp32 and cast back to the base weight's dtype (elsewhere not merged: only rank 0 writes)."""
     for e in entries:
+        keep_alive()  # the export phase's deadline is per tensor (train/runtime.py), not for the whole model
         value = _full(state[e.source])
         adapters = {k.removeprefix(f"{e.layer}."): _full(state[k]) for k in e.adapter_keys}
         if adapters and dist.get_rank() == 0:

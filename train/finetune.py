@@ -44,13 +44,16 @@ import torch.distributed as dist
 from train import hostmem, optim, rundir, runtime
 from train.checkpoint import (
     AppState,
+    CheckpointFailed,
     complete_checkpoints,
     latest_checkpoint,
     parameters_finite,
     read_trainer_state,
     restore,
+    rotate_checkpoints,
     save_checkpoint,
 )
+from train.checkpoint import kept as checkpoint_kept
 from train.config import (
     Recipe,
     TrainConfig,
@@ -308,14 +311,20 @@ def save_state(recipe: Recipe, spec: FamilySpec, run: dict, app: AppState, sched
     `checkpoint.export_every_checkpoint` the checkpoint also holds the weights in the export format; a failed write of
     those is a warning (the checkpoint itself is complete: resume and the final export are unaffected)."""
     state = checkpoint_state(recipe, run, step, scheduler, batches, mesh)
-    path = save_checkpoint(recipe.output_dir, step, app, state, recipe.checkpoint.keep_last)
-    if path is not None and recipe.checkpoint.export_every_checkpoint:
+    path = save_checkpoint(recipe.output_dir, step, app, state, keep_last=None)  # rotated below, once whole
+    if path is None:
+        return None
+    if recipe.checkpoint.export_every_checkpoint:
         try:
             export_weights(recipe, spec, app.model, path, app.ema)
-        except ExportFailed as e:
+        except ExportFailed as e:  # the older checkpoints (and their exports) stay: nothing is rotated away
             if dist.get_rank() == 0:
                 print(f"warning: step {step}: the checkpoint's export {e.final} failed ({e.cause}); the checkpoint "
-                      "itself is complete", file=sys.stderr, flush=True)  # fmt: skip
+                      "itself is complete, and the older checkpoints with their exports are kept", file=sys.stderr,
+                      flush=True)  # fmt: skip
+            return path
+    if dist.get_rank() == 0:
+        rotate_checkpoints(recipe.output_dir, recipe.checkpoint.keep_last, path)
     return path
 
 
@@ -512,9 +521,8 @@ def export(recipe: Recipe, spec: FamilySpec, model: torch.nn.Module, out_dir: Pa
         try:
             ckpt = checkpoint()
             kept = f"the trained state is in checkpoint {ckpt}: fix the cause, then rerun with --resume to export it"
-        except Exception as again:  # noqa: BLE001 — said in the one line: where the run's state is (nowhere)
-            kept = (f"the checkpoint written in its place failed too ({type(again).__name__}: {again}); the last "
-                    f"complete checkpoint is {latest_checkpoint(out_dir) or 'none'}")  # fmt: skip
+        except CheckpointFailed as again:  # (its partial folder removed): where the run's state is, or that it is lost
+            kept = f"the checkpoint written in its place failed too ({again.cause}); {checkpoint_kept(again.latest)}"
         raise UserError(f"export of the {kind} weights to {e.final} failed ({e.cause}); {kept}") from None
     if dist.get_rank() == 0:
         print(f"metrics: {out_dir / 'metrics.jsonl'}")
@@ -610,7 +618,7 @@ def main(argv: list[str] | None = None) -> None:
     # samples from the training transformer as it is (CP + FSDP in place, every rank), state untouched: validation.py
     validation = Validation(recipe, spec, model, device, amp, metrics, watchdog, start=start, ema=ema)
     validation.at_step(start)  # validation.at_start: a baseline before the first step
-    if heldout and start == 0 and (value := heldout.at_step(model, 0)) is not None:  # validation_loss.at_start
+    if heldout and start == 0 and (value := heldout.at_step(model, 0, watchdog)) is not None:  # its at_start
         metrics.log({"step": 0, "val_loss": value})
     steps = progress(recipe, start)
     stop = StopRequest(device)  # from here on SIGINT/SIGTERM finish the step, write a checkpoint and exit 0
@@ -618,7 +626,7 @@ def main(argv: list[str] | None = None) -> None:
     for step in steps:
         watchdog.phase("train_step", step + 1)
         line = train_step(trainer, step)
-        if heldout and (value := heldout.at_step(model, step + 1)) is not None:
+        if heldout and (value := heldout.at_step(model, step + 1, watchdog)) is not None:
             line["val_loss"] = value
         if (step + 1) % recipe.logging.every_n_steps == 0 or step + 1 == t.max_steps or "val_loss" in line:
             metrics.log(line)

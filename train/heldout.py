@@ -18,7 +18,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from train.data.dataset import CachedLatentDataset, CacheReads, collate
+from train.data.dataset import CachedLatentDataset, CacheReads, collate, read_manifest
 from train.errors import UserError
 from train.step import Objective, micro_batch_loss
 from train.validation import inference
@@ -33,6 +33,53 @@ def split(n: int, fraction: float, seed: int) -> list[int]:
                         "or give a cache of its own (validation_loss.cache_dir)")  # fmt: skip
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + 17)).tolist()
     return sorted(order[:k])
+
+
+def _key_shapes(recipe) -> dict[str, set[tuple[int, ...]]]:
+    """Every key the training data holds, with the per-sample shapes it has (synthetic shapes, or each bucket's in
+    the training caches' manifests)."""
+    if recipe.data.synthetic is not None:
+        return {k: {tuple(v)} for k, v in recipe.data.synthetic.shapes.items()}
+    out: dict[str, set[tuple[int, ...]]] = {}
+    for cache in recipe.data.cache_dirs():
+        for tensors in read_manifest(cache).get("tensors", {}).values():
+            for key, t in tensors.items():
+                out.setdefault(key, set()).add(tuple(t["shape"]))
+    return out
+
+
+def check_cache(recipe, spec, model_config) -> None:
+    """`validation_loss.cache_dir` checked at startup as the training cache is (before any process group exists):
+    its family (when opened), the CP degree against its samples' tokens, and that it holds what the model is trained
+    on: each key of the training data, of the same rank, with the same channels (dim 0 of a noised stream) and width
+    (the last dim of the text embeddings and other conditioning). A UserError naming the first difference."""
+    from train.cp.enable import check_tokens
+
+    cache = recipe.validation_loss.cache_dir
+    where = f"validation_loss.cache_dir {cache}"
+    try:
+        tensors = read_manifest(cache).get("tensors", {})
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
+    if recipe.parallel.cp > 1:
+        try:
+            check_tokens(recipe.parallel.cp, spec, {b: {s: t[s]["shape"] for s in spec.streams if s in t}
+                                                   for b, t in tensors.items()}, model_config)  # fmt: skip
+        except UserError as e:
+            raise UserError(f"{where}: {e}") from None
+    trained = _key_shapes(recipe)
+    for bucket, held in tensors.items():
+        for key, shapes in trained.items():
+            if key not in held:
+                raise UserError(f"{where}: bucket {bucket} lacks {key}, which the training data holds: prepare the "
+                                "held-out media with the training cache's recipe")  # fmt: skip
+            have, like = tuple(held[key]["shape"]), sorted(shapes)[0]
+            dim = 0 if key in spec.streams else -1  # a stream's channels; the text's width
+            if len(have) != len(like) or (len(like) > 1 and have[dim] not in {s[dim] for s in shapes}):
+                what = "rank" if len(have) != len(like) else "channels" if dim == 0 else "width"
+                raise UserError(f"{where}: {key} of bucket {bucket} has shape {list(have)}, the training data's "
+                                f"{list(like)}: another {what} (another model or text encoder); prepare the held-out "
+                                "media with the training cache's recipe")  # fmt: skip
 
 
 def sample_generator(seed: int, index: int) -> torch.Generator:
@@ -80,19 +127,22 @@ class HeldOutLoss:
             return self.cfg.at_start
         return step % self.cfg.every_n_steps == 0 or step == self.max_steps
 
-    def at_step(self, model: torch.nn.Module, step: int) -> float | None:
-        """The held-out loss of the model's weights now (a collective), when `step` is due; else None."""
+    def at_step(self, model: torch.nn.Module, step: int, watchdog=None) -> float | None:
+        """The held-out loss of the model's weights now (a collective), when `step` is due; else None. The watchdog
+        (train/runtime.py) is re-armed per sample: a held-out set of any size never reads as a hang."""
         if not self.due(step):
             return None
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         with inference(model):  # eval mode (no adapter dropout), no autograd graph
-            self._evaluate(model, total)
+            self._evaluate(model, total, step, watchdog)
         # Over every rank: each CP peer of a group holds the same values, so the sum counts each sample cp times.
         dist.all_reduce(total)
         return float(total) / (self.count * self.cp)
 
-    def _evaluate(self, model: torch.nn.Module, total: torch.Tensor) -> None:
+    def _evaluate(self, model: torch.nn.Module, total: torch.Tensor, step: int, watchdog) -> None:
         for index, weight in self.mine:
+            if watchdog is not None:
+                watchdog.phase("validation_loss", step)
             batch = {k: v.to(self.device) for k, v in collate([self.dataset[index]]).items()}
             loss = micro_batch_loss(model, self.spec, batch, self.objective, sample_generator(self.seed, index),
                                     self.amp)  # fmt: skip

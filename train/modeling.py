@@ -124,6 +124,10 @@ def check_model(recipe: Recipe, spec: FamilySpec) -> None:
     shapes = _sample_shapes(recipe, spec)  # reads the cache's manifest: a missing cache is named here, early
     if recipe.parallel.cp > 1:
         check_tokens(recipe.parallel.cp, spec, shapes, config)
+    if recipe.validation_loss is not None and recipe.validation_loss.cache_dir is not None:
+        from .heldout import check_cache
+
+        check_cache(recipe, spec, config)  # like the training cache: CP degree, the model's shapes
 
 
 def check_adapters(recipe: Recipe, spec: FamilySpec) -> None:

@@ -43,6 +43,7 @@ from train.errors import UserError
 LOCK_NAME = ".lock"
 PG_GRACE_S = 30  # the group's own timeout trails the watchdog's by this much: the watchdog names the ranks first
 _STORE_PREFIX = "ctxtrain/watchdog"
+_ACTIVE: Watchdog | None = None  # this process's watchdog (Watchdog.start), for keep_alive()
 _REPO = str(Path(__file__).resolve().parent.parent) + os.sep
 
 # Cleanups run at the process's end, like `atexit` (also registered there, for exits by exception) but also from
@@ -366,6 +367,13 @@ def diagnose(rank: int, world: int, seq: int, first: dict[int, dict], second: di
     return late
 
 
+def keep_alive() -> None:
+    """Re-arm this process's watchdog within its current phase (no-op without one): long phases made of many units
+    (an export's tensors, a checkpoint's files) call it per unit, so that only one unit must fit parallel.timeout_s."""
+    if _ACTIVE is not None:
+        _ACTIVE.keep_alive()
+
+
 class Watchdog:
     """Per-rank hang detector. The training loop calls `phase(name, step)` at the start of each phase (forward,
     backward, optimizer, checkpoint, ...) in the same order on every rank, and `idle()` when it leaves the watched
@@ -381,12 +389,20 @@ class Watchdog:
 
     @classmethod
     def start(cls, timeout_s: float) -> Watchdog:
+        global _ACTIVE
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         wd = cls(timeout_s, rank, world, _store_client(min(10.0, timeout_s)), launcher_pid())
         wd._publish()
         wd._thread.start()
+        _ACTIVE = wd
         return wd
+
+    def keep_alive(self) -> None:
+        """A unit of work of the current phase is done (a tensor exported, a file hashed): its deadline starts
+        again. The phase's number stays, so the hang diagnosis across ranks is unchanged."""
+        seq, name, step, _ = self._state
+        self._state = (seq, name, step, time.monotonic())
 
     def phase(self, name: str, step: int) -> None:
         """Enter phase `name` of step `step` (0-based optimizer step); ends the previous phase."""
