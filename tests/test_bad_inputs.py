@@ -306,6 +306,28 @@ CASES = [
         # startup memory refusal are raised from the same state, their messages test_message_in_process's.
         launch=True,
     ),
+    # --- the loop's features: what would train the wrong data, or export the wrong weights, silently --------------
+    trainer("ema_start_after_the_last_step", "ema={{start_step: 3}}", words=("ema.start_step", "is 3", "max_steps 2")),
+    trainer("seed_overflows", "train.seed=18000000000000", words=("train.seed", "must be < 4294967296")),
+    trainer(
+        "held_out_cache_is_the_training_cache",
+        "data.synthetic=null",
+        "data.cache_dir={cache}",
+        "validation_loss={{cache_dir: '{tmp}/assets/../assets/cache'}}",  # another spelling of the same folder
+        words=("validation_loss.cache_dir", "is the training cache", "trained samples"),
+    ),
+    trainer(
+        "held_out_cache_fewer_tokens_than_cp",
+        "parallel.cp=2",
+        "validation_loss={{cache_dir: '{tmp}/held_one_token'}}",
+        nproc=2,
+        words=("validation_loss.cache_dir", "held_one_token", "parallel.cp=2", "1 transformer token"),
+    ),
+    trainer(
+        "held_out_cache_other_text_width",
+        "validation_loss={{cache_dir: '{tmp}/held_other_width'}}",
+        words=("validation_loss.cache_dir", "prompt_embeds", "[7, 32]", "another width"),
+    ),
     # --- resume ---------------------------------------------------------------------------------------------------
     Case(
         "resume_changed_model_and_lr",  # a checkpoint resumed onto fewer layers once dropped its weights silently
@@ -332,6 +354,13 @@ CASES = [
         # Raised on rank 0 alone (it owns metrics.jsonl) while rank 1 is in the next collective: rank 1 gets gloo's
         # "connection closed" and exits quietly (train/errors.py `peer_reported`): one line, no traceback.
         launch=True,
+    ),
+    Case(
+        "resume_changed_held_out_split",  # samples trained so far would be "held out" (or held-out ones trained)
+        "train",
+        ("--resume",),
+        ("the held-out split: none -> validation_loss.fraction 0.5", "decides which samples train"),
+        sets=(*SERIAL, "output_dir={ckpt_run}", "validation_loss={{fraction: 0.5}}"),
     ),
     Case(
         "resume_corrupt_only_checkpoint",
@@ -444,6 +473,13 @@ def where(tmp_path_factory, tiny_pipeline) -> dict[str, Path]:
     torch.save({"weight": _Shell(f"touch {tmp}/pickle_ran")}, encoder / "pytorch_model.bin")
     config = tmp / "pipe_other_shapes" / "transformer" / "config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "ffn_dim": 64}))  # the weights' is 32
+    for name, key, shape in (("held_one_token", "latents", [4, 1, 2, 2]), ("held_other_width", "prompt_embeds",
+                                                                             [7, 32])):  # fmt: skip
+        shutil.copytree(cache, tmp / name)  # a held-out cache: one token per sample, or another text encoder's width
+        manifest = json.loads((tmp / name / "manifest.json").read_text())
+        for tensors in manifest["tensors"].values():
+            tensors[key]["shape"] = shape
+        (tmp / name / "manifest.json").write_text(json.dumps(manifest))
     (tmp / "unfinished" / "samples").mkdir(parents=True)
     shutil.copytree(cache, tmp / "badjson")
     (tmp / "badjson" / "manifest.json").write_text('{"format": ')

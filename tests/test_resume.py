@@ -86,3 +86,34 @@ def test_resume_with_a_new_lr_and_reset_schedule(runs, tmp_path: Path) -> None:
     assert [m["step"] for m in run.metrics] == [1, 2, 3, 4]
     assert [m["lr"] for m in run.metrics] == [0.001, 0.001, 0.01, 0.01]
     assert "resume: train.lr: 0.001 -> 0.01 (schedule restarted at the resume step)" in run.stdout
+
+
+@pytest.mark.parametrize(
+    "before, after, refused",
+    [
+        ({"fraction": 0.25}, {"cache_dir": "/held"}, True),  # the held-out samples would train
+        ({"cache_dir": "/held"}, {"fraction": 0.25}, True),  # trained samples would be "held out"
+        (None, {"fraction": 0.1}, True),  # a split appears: its samples leave training
+        ({"fraction": 0.25}, None, True),  # the split is dropped: its samples train
+        ({"fraction": 0.25}, {"fraction": 0.5}, True),
+        (None, {"cache_dir": "/held"}, False),  # a cache of its own: training unchanged
+        ({"cache_dir": "/held"}, {"cache_dir": "/other"}, False),
+        ({"fraction": 0.25}, {"fraction": 0.25, "max_samples": 1, "every_n_steps": 7}, False),  # evaluation only
+    ],
+)
+def test_a_resume_that_changes_the_held_out_split_is_refused(before, after, refused: bool) -> None:
+    """The held-out split is part of what trains: a resume that changes it (or adds or drops it) is refused in one
+    line naming it; adding or changing a held-out cache of its own, or evaluation knobs, applies."""
+
+    def recipe(held):
+        sets = [] if held is None else [f"validation_loss={held}"]
+        return recipe_to_dict(load_recipe(REPO / "recipes/tiny/wan.yaml", sets))
+
+    layout = {"dp_replicate": 1, "dp_shard": 1, "cp": 1}
+    args = dict(reset_lr_schedule=False, saved_layout=layout, layout=layout, checkpoint="step_000004")
+    if not refused:
+        plan_resume(recipe(before), recipe(after), **args)
+        return
+    with pytest.raises(UserError) as e:
+        plan_resume(recipe(before), recipe(after), **args)
+    assert "the held-out split: " in str(e.value) and "\n" not in str(e.value), e.value

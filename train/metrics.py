@@ -6,13 +6,19 @@ Settings are passed as init arguments (wandb ignores environment variables chang
 
 from __future__ import annotations
 
+import errno as errnos
 import json
+import os
 import resource
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from train.errors import UserError
+from train.tracking import check_tracking
 
 
 def device_memory(device: torch.device) -> dict[str, int]:
@@ -35,6 +41,8 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 WANDB_STATE = "logged.json"  # <output_dir>/wandb/logged.json: the run's wandb id and the last step it logged
+UNKNOWN_ERRNO = 1 << 20  # the flag of an OSError without an errno (errnos are small positive ints)
+STATE_FILE = 1 << 21  # added to the flag when the write that failed was wandb/logged.json's
 
 
 class MetricsLogger:
@@ -55,9 +63,8 @@ class MetricsLogger:
         self.state = output_dir / "wandb" / WANDB_STATE
         self.run_id, self.before = run_id, -1  # wandb holds this run's steps up to here (an earlier process of the run)
         if self.is_main and self.use_wandb:
-            if run_id is not None and self.state.exists():
-                saved = json.loads(self.state.read_text())
-                self.before = saved["last_step"] if saved.get("id") == run_id else 0
+            if run_id is not None and (self.state.exists() or self.state.is_symlink()):
+                self.before = self._logged_before(run_id)
             self.state.parent.mkdir(parents=True, exist_ok=True)
             wandb = {"mode": logging_cfg.wandb_mode, "dir": str(output_dir), "name": logging_cfg.wandb_run or run_name,
                      **({"id": run_id, "resume": "allow"} if run_id is not None else {})}  # fmt: skip
@@ -66,21 +73,91 @@ class MetricsLogger:
             run.define_metric("step")  # charts against the optimizer step (also the end-of-run report's images)
             run.define_metric("*", step_metric="step")
 
+    check_tracking = staticmethod(check_tracking)  # train/tracking.py: online wandb's login and server, at startup
+
+    def _logged_before(self, run_id: str) -> int:
+        """The last step an earlier process of this run sent wandb, from logged.json (0: the file is another wandb
+        run's). The file only spares wandb steps it holds already, so a damaged one is rebuilt, with a warning, not a
+        reason to refuse the resume: metrics.jsonl gets each line before wandb does, so its last step is the most wandb
+        can hold (at most that one step is then missing in wandb, if a kill fell between the two writes; none is sent
+        twice)."""
+        try:
+            saved = json.loads(self.state.read_text())
+            last = saved.get("last_step") if isinstance(saved, dict) else None
+            if isinstance(saved, dict) and saved.get("id") != run_id and "id" in saved:
+                return 0
+            if isinstance(last, int) and not isinstance(last, bool) and last >= -1:
+                return last
+            why = "not a {id, last_step} object" if not isinstance(saved, dict) else f"last_step is {last!r}"
+        except (OSError, ValueError) as e:  # unreadable, a folder, not UTF-8 or not JSON
+            why = f"{type(e).__name__}: {e}"
+        from train.report import read_metrics
+
+        lines = read_metrics(self.path)[0] if self.path.is_file() else []
+        before = max((ln["step"] for ln in lines), default=-1)
+        try:
+            self._save_state(before)
+        except OSError as e:
+            raise UserError(f"{self.state} is damaged ({why}) and cannot be rewritten ({e.strerror or e}): remove it "
+                            "(it records only the last step sent to wandb), then rerun with --resume") from None
+        print(f"warning: {self.state} was damaged ({why}); rebuilt from {self.path.name}: wandb gets the steps after "
+              f"step {before}" + (" (its last line)" if lines else " (no metrics line: every step)"),
+              file=sys.stderr, flush=True)  # fmt: skip
+        return before
+
+    def _save_state(self, step: int) -> None:
+        tmp = self.state.with_suffix(".tmp")  # atomic: a kill leaves the old file or the new one
+        tmp.write_text(json.dumps({"id": self.run_id, "last_step": step}))
+        tmp.rename(self.state)
+
     def _to_wandb(self, step: int) -> bool:
         return self.is_main and self.use_wandb and step > self.before
 
     def log(self, metrics: dict[str, Any]) -> None:
-        if not self.is_main:
-            return
-        with self.path.open("a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        """Rank 0 appends the line to metrics.jsonl (and sends it to wandb). Every rank calls it at the same steps: a
+        write that fails on rank 0 (a full disk) raises the same UserError on every rank."""
+        failure = self._write(metrics) if self.is_main else 0
+        # The cost: one all_reduce of one int per logged line (every logging.every_n_steps steps), next to a step's
+        # own collectives. What it buys: every rank stops with the same line, not rank 0 with a traceback and the
+        # others with gloo's "connection closed" in their next collective.
+        if dist.is_available() and dist.is_initialized():
+            gpu = dist.get_backend() == "nccl"  # (a "cuda:nccl,cpu:gloo" group takes the CPU tensor through gloo)
+            flag = torch.tensor([failure], dtype=torch.int64,
+                                device=torch.device("cuda", torch.cuda.current_device()) if gpu else "cpu")  # fmt: skip
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            failure = int(flag.item())
+        if failure:
+            raise UserError(self._unwritable(failure, metrics["step"]))
+
+    def _write(self, metrics: dict[str, Any]) -> int:
+        """Rank 0's writes; 0, or the failed write's flag: its errno (UNKNOWN_ERRNO without one), plus STATE_FILE for
+        wandb/logged.json. A number, so that one int all_reduce tells every rank which error to name."""
+        try:
+            with self.path.open("a") as f:  # (close flushes: inside the try too)
+                f.write(json.dumps(metrics) + "\n")
+        except OSError as e:
+            return e.errno if e.errno and 0 < e.errno < UNKNOWN_ERRNO else UNKNOWN_ERRNO
         step = metrics["step"]
         if self._to_wandb(step):
             self.accelerator.log(metrics, step=step)
             self.last_step = step
-            tmp = self.state.with_suffix(".tmp")  # after the log: a kill in between repeats one step at most
-            tmp.write_text(json.dumps({"id": self.run_id, "last_step": step}))
-            tmp.rename(self.state)
+            try:
+                self._save_state(step)  # after the log: a kill in between repeats one step at most
+            except OSError as e:
+                return STATE_FILE | (e.errno if e.errno and 0 < e.errno < UNKNOWN_ERRNO else UNKNOWN_ERRNO)
+        return 0
+
+    def _unwritable(self, failure: int, step: int) -> str:
+        """The one line every rank raises for `failure` (`_write`'s flag): the file, the OS error, where the run's
+        state is and how to continue."""
+        from train.checkpoint import kept, latest_checkpoint
+
+        path = self.state if failure & STATE_FILE else self.path
+        code = failure & ~STATE_FILE
+        why = "an OS error" if code == UNKNOWN_ERRNO else os.strerror(code).lower()
+        name = errnos.errorcode.get(code)
+        return (f"step {step}: cannot write {path} ({why}{f', {name}' if name else ''}); "
+                f"{kept(latest_checkpoint(path.parent if path == self.path else path.parent.parent))}")
 
     def log_images(self, paths: list[Path]) -> None:
         """The report's charts (train/report.py) as wandb images under `report/<name>`, at the last logged step."""

@@ -51,7 +51,7 @@ RULES: dict[str, str] = {
     "ema": SAME,  # its average is in the checkpoint: it cannot start, stop or change its rule mid-run
     "ema.validation": APPLY,
     "validation_loss": APPLY,  # evaluation only
-    "validation_loss.fraction": SAME,  # the split decides which samples train
+    "validation_loss.fraction": APPLY,  # which samples train: compared as the split (`held_out_split`) instead
     "output_dir": APPLY,
     "name": APPLY,
 }
@@ -83,6 +83,16 @@ def _changes(saved: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str
     return [(k, a.get(k, "<unset>"), b.get(k, "<unset>")) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
 
 
+def held_out_split(recipe: Mapping[str, Any]) -> str | None:
+    """The part of the training cache held out of training (train/heldout.py `split`), as words: None when nothing
+    is (no validation_loss, or a cache of its own). With train.seed (compared as `same`) it decides which samples
+    train."""
+    held = recipe.get("validation_loss")
+    if held is None or held.get("cache_dir") is not None:
+        return None
+    return f"validation_loss.fraction {held.get('fraction')} of the training cache"
+
+
 @dataclass
 class ResumePlan:
     """What resuming with a new recipe does: `applied` lines to print, `reset_schedule` when the lr schedule restarts,
@@ -112,6 +122,10 @@ def plan_resume(
             schedule.append(change)
         else:
             plan.applied.append(change)
+    if (was := held_out_split(saved)) != (now := held_out_split(new)):
+        refused.append(f"the held-out split: {was or 'none'} -> {now or 'none'} (it decides which samples train: "
+                       "samples held out would be trained on, or trained ones held out; a validation_loss.cache_dir "
+                       "of its own can be added or changed at resume)")  # fmt: skip
     if schedule and not reset_lr_schedule:
         refused += [f"{c} (the restored optimizer/scheduler would keep the old schedule; pass --reset-lr-schedule to "
                     "restart it from the resume step)" for c in schedule]  # fmt: skip
