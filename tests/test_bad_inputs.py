@@ -4,11 +4,11 @@ One table of cases (a broken recipe, path, cache, plan, checkpoint, ...), checke
 
 * every case in-process (`test_message_in_process`): what the entry point calls before the error, called here —
   the trainer's `parse_args` (recipe, `--set`, degrees against `WORLD_SIZE`, paths, model config, tokens), then what
-  its `main()` calls in order up to its first step (the dataset and cache, the memory estimate, the CP plan file and
-  the pretrained weights as `build_model` reads them, resume's recipe check and checkpoint verification) on a 1-rank
-  gloo group; `train.prepare`'s and `train.estimate`'s own `main`. The error must be a `UserError` (argparse's usage
-  errors: its exit 2) whose line, as `train.errors.report` prints it, holds the expected words, in one line (several
-  problems of one file: indented continuation lines);
+  its `main()` calls in order up to its first step (the dataset and cache and its loss masks, the memory estimate, the
+  CP plan file and the pretrained weights as `build_model` reads them, resume's recipe check and checkpoint
+  verification) on a 1-rank gloo group; `train.prepare`'s and `train.estimate`'s own `main`. The error must be a
+  `UserError` (argparse's usage errors: its exit 2) whose line, as `train.errors.report` prints it, holds the
+  expected words, in one line (several problems of one file: indented continuation lines);
 * one representative case per way an error is delivered through the real entry point (`test_entry_point`: `python
   -m train.launch ... train/finetune.py`, 1 or 2 processes, the 2-process ones where the error arises after the process
   group exists; `python -m train.prepare`, `python -m train.estimate`): exit code 2 (train.launch exits with the
@@ -235,6 +235,24 @@ CASES = [
         words=("--mixed_precision bf16", "train.mixed_precision"),
         launch=True,  # an `accelerate launch` option the recipe owns
     ),
+    # --- the experiment tracker: online wandb without a login or a server (train/tracking.py, in parse_args) -------
+    trainer(
+        "wandb_online_without_login",  # took 19 s, then a traceback on every rank
+        "logging.wandb_mode=online",  # after QUIET's wandb_mode=disabled: the later --set wins
+        env={
+            "WANDB_API_KEY": "",
+            "NETRC": "/nonexistent/.netrc",
+            "WANDB_BASE_URL": "",
+            "WANDB_CONFIG_DIR": "/nonexistent",
+        },
+        words=("no wandb login was found", "WANDB_API_KEY", "wandb login", "logging.wandb_mode: offline"),
+    ),
+    trainer(
+        "wandb_online_server_unreachable",  # took 100 s without a network, then a traceback
+        "logging.wandb_mode=online",
+        env={"WANDB_API_KEY": "k" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9"},  # nothing listens on port 9
+        words=("wandb server http://127.0.0.1:9", "cannot be reached", "connection refused", "wandb_mode: offline"),
+    ),
     # --- model and shapes -----------------------------------------------------------------------------------------
     trainer(
         "init_config_typo",
@@ -317,6 +335,13 @@ CASES = [
         words=("validation_loss.cache_dir", "is the training cache", "trained samples"),
     ),
     trainer(
+        "held_out_fraction_leaves_0_batches",  # said "2 samples ... make 0 batches", the held-out one unnamed
+        "data.synthetic=null",
+        "data.cache_dir={cache}",
+        "validation_loss={{fraction: 0.5}}",  # 1 of the cache's 2 clips held out: 1 left, short of a batch of 2
+        words=("make 0 batches of 2", "validation_loss.fraction held out 1 of them", "lower validation_loss.fraction"),
+    ),
+    trainer(
         "held_out_cache_fewer_tokens_than_cp",
         "parallel.cp=2",
         "validation_loss={{cache_dir: '{tmp}/held_one_token'}}",
@@ -327,6 +352,12 @@ CASES = [
         "held_out_cache_other_text_width",
         "validation_loss={{cache_dir: '{tmp}/held_other_width'}}",
         words=("validation_loss.cache_dir", "prompt_embeds", "[7, 32]", "another width"),
+    ),
+    trainer(
+        "loss_masks_all_black",
+        "data.synthetic=null",
+        "data.cache_dir={tmp}/all_black_masks",
+        words=("every sample's loss mask is all black", "data.mask_column"),
     ),
     # --- resume ---------------------------------------------------------------------------------------------------
     Case(
@@ -386,6 +417,16 @@ CASES = [
         launch=True,
     ),
     preparer("prepare_pretrained_missing", "model.pretrained_path={tmp}/no_pipe", words=("no_pipe",)),
+    preparer(  # chmod 0555 (refused by its mode even for root): said before loading, with what the cache keeps
+        "prepare_cache_dir_read_only",
+        "data.cache_dir={tmp}/ro_cache",
+        words=("ro_cache is read-only", "non-writable folder", "2 of 2 samples are complete", "chmod u+w"),
+    ),
+    preparer(
+        "prepare_cache_dir_read_only_parent",
+        "data.cache_dir={tmp}/ro_parent/cache",
+        words=("is read-only", "cannot write in", "ro_parent;", "0 of 2 samples", "writable folder"),
+    ),
     # --- train.estimate: the CLI, and the trainer's startup check on 2 ranks (after the process group exists) -------
     Case("estimate_unknown_key", "estimate", (), ("train.lrr", "unknown key"), sets=("train.lrr=1",)),
     Case("estimate_bad_gpu_memory", "estimate", ("--gpu-memory", "lots"), ("--gpu-memory", "80GiB"), launch=True),
@@ -480,6 +521,10 @@ def where(tmp_path_factory, tiny_pipeline) -> dict[str, Path]:
         for tensors in manifest["tensors"].values():
             tensors[key]["shape"] = shape
         (tmp / name / "manifest.json").write_text(json.dumps(manifest))
+    shutil.copytree(cache, tmp / "all_black_masks")  # as train.prepare records a mask_column's black masks
+    manifest = json.loads((tmp / "all_black_masks" / "manifest.json").read_text())
+    manifest["samples"] = [{**s, "mask_mean": 0.0} for s in manifest["samples"]]
+    (tmp / "all_black_masks" / "manifest.json").write_text(json.dumps(manifest))
     (tmp / "unfinished" / "samples").mkdir(parents=True)
     shutil.copytree(cache, tmp / "badjson")
     (tmp / "badjson" / "manifest.json").write_text('{"format": ')
@@ -493,6 +538,10 @@ def where(tmp_path_factory, tiny_pipeline) -> dict[str, Path]:
     (tmp / "badmeta" / "metadata.jsonl").write_text(
         "\n".join([lines[0], '{"file_name": "x.mp4", "text": ', *lines[2:]])
     )
+    shutil.copytree(cache, tmp / "ro_cache")  # a finished cache made read-only, and a cache_dir under such a folder
+    (tmp / "ro_cache").chmod(0o555)
+    (tmp / "ro_parent").mkdir()
+    (tmp / "ro_parent").chmod(0o555)
     return {"tmp": tmp, "pipe": pipe, "media": media, "cache": cache, "out": tmp / "out"}
 
 
@@ -526,19 +575,20 @@ def _with_checkpoints(case: Case, where: dict[str, Path], request: pytest.Fixtur
 def _trainer_error(argv: list[str], world: int, tmp: Path) -> BaseException:
     """What train/finetune.py calls before its first step, in its order, until one raises: `parse_args` (what the
     entry point's `preflight` checks, and the model's config and tokens), then main()'s data (`build_dataset`,
-    `check_text_lengths`) and memory check (`startup_check`), the CP plan file (`load_plan_file`, as CP is enabled),
-    the pretrained weights' folder and files (`pretrained_folder`, `check_weights`) and the LoRA targets
-    (`check_lora_targets`) as build_model reads them, and resume's recipe check (`plan_resume` against the newest
-    checkpoint's `read_trainer_state`), data check (`resume_notes`), checkpoint verification (`restore`) and its
-    metrics file (`truncate_after`'s `read_metrics`, rank 0's)."""
+    `make_batches` without the held-out split, `check_text_lengths`) and memory check (`startup_check`), the CP plan
+    file (`load_plan_file`, as CP is enabled), the pretrained weights' folder and files (`pretrained_folder`,
+    `check_weights`) and the LoRA targets (`check_lora_targets`) as build_model reads them, and resume's recipe check
+    (`plan_resume` against the newest checkpoint's `read_trainer_state`), data check (`resume_notes`), checkpoint
+    verification (`restore`) and its metrics file (`truncate_after`'s `read_metrics`, rank 0's)."""
     import torch
 
     from train.checkpoint import complete_checkpoints, read_trainer_state, restore, verify_checkpoint
     from train.config import recipe_to_dict
     from train.cp.plans import load_plan_file
-    from train.data.batches import build_dataset, check_text_lengths, make_batches
+    from train.data.batches import build_dataset, check_masks, check_text_lengths, make_batches
     from train.estimate import startup_check
-    from train.finetune import parse_args
+    from train.finetune import parse_args, token_budget
+    from train.heldout import split
     from train.modeling import check_lora_targets, family_spec, meta_transformer, pretrained_folder
     from train.models import cache_reads
     from train.report import read_metrics
@@ -548,7 +598,13 @@ def _trainer_error(argv: list[str], world: int, tmp: Path) -> BaseException:
         recipe, args = parse_args(argv)
         spec, m = family_spec(recipe.model), recipe.model
         dataset = build_dataset(recipe, spec, cache_reads(spec.name))
+        held = recipe.validation_loss  # main's batches skip HeldOutLoss.of's split of the training data
+        exclude = split(len(dataset), held.fraction, recipe.train.seed) if held and held.cache_dir is None else ()
+        dp_replicate, dp_shard, _ = recipe.parallel.resolve(world)
+        make_batches(dataset, recipe, 0, dp_replicate * dp_shard, torch.device("cpu"), exclude=frozenset(exclude),
+                     tokens_of=token_budget(recipe, spec, dataset))  # fmt: skip
         check_text_lengths(dataset, spec, recipe)
+        check_masks(dataset)
         with one_rank_group(tmp):
             startup_check(recipe, world, torch.device("cpu"))
             if recipe.parallel.cp > 1 and m.cp_plan is not None:

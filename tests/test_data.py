@@ -633,3 +633,15 @@ def test_a_cache_records_the_columns_its_conditioning_media_came_from(tmp_path) 
     (tmp_path / "prepare_config.json").write_text(json.dumps(vace))
     with pytest.raises(PrepareError, match="reference_column: cache has 'c', now None"):
         _check_fingerprint(tmp_path, recipe("wan_vace"))
+
+
+def test_cached_files_are_readable_as_the_umask_says(wan_cache) -> None:
+    """safetensors writes 0600 whatever the umask; the cache's sample files get what `open()` would give them."""
+    import os
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    files = sorted(wan_cache.glob("**/*.safetensors"))
+    assert files
+    for f in files:
+        assert f.stat().st_mode & 0o777 == 0o666 & ~mask, (f, oct(f.stat().st_mode))

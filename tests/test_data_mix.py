@@ -9,10 +9,13 @@ pipeline: `clips` (3 clips of 17 frames: 5 latent frames × 2 × 3 patches = 30 
 
 from __future__ import annotations
 
+import bisect
 import collections
 import itertools
 import json
+import random
 import shutil
+from fractions import Fraction
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,7 +25,7 @@ import torch
 from tests.harness import REPO, train
 from train.config import RecipeError, check_inputs, load_recipe, recipe_from_dict, recipe_to_dict
 from train.data.batches import bucket_tokens, build_dataset, check_text_lengths, make_batches
-from train.data.dataset import BucketBatchSampler, CachedLatentDataset, MixedDataset, Share, collate
+from train.data.dataset import BucketBatchSampler, CachedLatentDataset, MixedDataset, Share, carry, collate
 from train.data.synthetic_media import make_media_set
 from train.errors import UserError
 from train.models import get_family
@@ -37,25 +40,127 @@ CPU = torch.device("cpu")
 # ------------------------------------------------------------------------------------------------------- sampler
 
 
-def test_weights_and_repeats_give_each_dataset_its_share_every_epoch() -> None:
+def test_weights_and_repeats_give_each_dataset_its_share_carried_over_epochs() -> None:
     """A (6 samples, weight 2) and B (40, weight 1) share the 46 samples the weighted datasets hold: 46 × 2/3 = 30.67
-    -> 31 and 15.33 -> 15 per epoch; C (5 samples, repeats 3) adds 15. Each dataset's quota is split over its
-    buckets by size (A: 4 x + 2 y -> 20.67 : 10.33 -> 21 : 10; B: 30 x + 10 y -> 11.25 : 3.75 -> 11 : 4), so every
-    epoch has as many samples of each bucket: A's x samples 5 times and one of them a 6th, A's y samples 5 times, 11
-    + 4 different ones of B, C's 3 times each. Counted in each of 3 epochs."""
+    and 15.33 per epoch, so by the end of epoch e (e = 1, 2, 3) A has drawn 30.67 e rounded down or up and B the rest:
+    (31, 15) or (30, 16), then (61, 31) or (62, 30), then exactly (92, 46); C (5 samples, repeats 3) adds 15 every
+    epoch. Each dataset's draws are split over its buckets by size the same way (A: 4 x + 2 y: its x samples 2/3 of its
+    draws). Within an epoch a dataset's samples of a bucket are drawn as evenly as can be (counts differ by at most 1),
+    and B draws another part of itself each epoch. Counted from the batches."""
     buckets = ["x"] * 4 + ["y"] * 2 + ["x"] * 30 + ["y"] * 10 + ["x"] * 5
     shares = [Share(6, weight=2.0), Share(40, weight=1.0), Share(5, repeats=3)]
     s = BucketBatchSampler(buckets, 1, seed=4, shares=shares)
-    assert s.plan() == [31, 15, 15] and s.counts == {"x": 21 + 11 + 15, "y": 10 + 4} and len(s) == 61
+    # per epoch on average: x = 30.67 × 4/6 + 15.33 × 30/40 + 15 = 46.94, y = 30.67 × 2/6 + 15.33 × 10/40 = 14.06
+    assert s.plan() == [30.67, 15.33, 15] and s.counts == {"x": 46.94, "y": 14.06}
+    allowed = {1: {(31, 15), (30, 16)}, 2: {(61, 31), (62, 30)}, 3: {(92, 46)}}
+    total = collections.Counter()
     seen_b = []
     for epoch in range(3):
-        counts = collections.Counter(i for b in s.epoch_batches(epoch) for i in b)
-        assert sorted(counts[i] for i in range(4)) == [5, 5, 5, 6] and [counts[4], counts[5]] == [5, 5]
-        b_x, b_y = [i for i in range(6, 36) if counts[i]], [i for i in range(36, 46) if counts[i]]
-        assert (len(b_x), len(b_y)) == (11, 4) and all(counts[i] == 1 for i in b_x + b_y)
+        batches = s.epoch_batches(epoch)
+        assert len(batches) == 46 + 15  # the same number of samples every epoch (batches of 1)
+        counts = collections.Counter(i for b in batches for i in b)
+        total.update(counts)
+        a, b = sum(total[i] for i in range(6)), sum(total[i] for i in range(6, 46))
+        assert (a, b) in allowed[epoch + 1], (epoch, a, b)
+        a_x = sum(total[i] for i in range(4))  # A's x samples: 2/3 of A's draws so far, rounded down or up
+        assert abs(a_x - a * 4 / 6) < 1, (epoch, a_x, a)
+        for stratum in (range(4), range(4, 6), range(6, 36), range(36, 46)):
+            assert max(counts[i] for i in stratum) - min(counts[i] for i in stratum) <= 1
         assert [counts[i] for i in range(46, 51)] == [3] * 5
-        seen_b.append(frozenset(b_x + b_y))
+        seen_b.append(frozenset(i for i in range(6, 46) if counts[i]))
     assert len(set(seen_b)) == 3  # another part of B each epoch
+
+
+def test_carry_keeps_every_part_within_one_of_its_share_as_the_total_grows() -> None:
+    """`carry` over 400 random mixtures (2-6 parts, weights from 0.01 up, totals growing by a fixed or a random step
+    each epoch, as a dataset's draws split over its buckets grow): at every total the counts sum to it, none
+    shrinks, and each is within 1 of total × weight / Σ weights (exact fractions here)."""
+    rng = random.Random(0)
+    for _ in range(400):
+        weights = [rng.choice([0.01, 0.1, 0.5, 1.0, 3.0, rng.random() + 0.001]) for _ in range(rng.randint(2, 6))]
+        p = [Fraction(w) / sum(Fraction(v) for v in weights) for w in weights]
+        step, fixed = rng.randint(1, 40), rng.random() < 0.5
+        counts, total = [0] * len(p), 0
+        for _ in range(100):
+            total += step if fixed else rng.randint(0, 2 * step)
+            now = carry(p, counts, total)
+            assert sum(now) == total and all(a >= b for a, b in zip(now, counts)), (weights, counts, now)
+            assert all(abs(c - total * q) < 1 for c, q in zip(now, p)), (weights, total, now)
+            counts = now
+
+
+def _drawn_at_epoch_ends(sampler: BucketBatchSampler, epochs: int, ends: list[int]) -> list[list[int]]:
+    """Per epoch (iterating the sampler, as the trainer does): the samples drawn so far of each dataset, whose
+    indices end before `ends`."""
+    out, drawn, it = [], [0] * len(ends), iter(sampler)
+    for _ in range(epochs):
+        for _ in range(sampler.batches_per_epoch(sampler.epoch)):
+            for i in next(it):
+                drawn[bisect.bisect_right(ends, i)] += 1
+        out.append(list(drawn))
+    return out
+
+
+def test_a_small_weight_gets_its_share_over_a_run() -> None:
+    """Weights 0.01 : 1 over 16 + 16 samples in batches of 2: the small dataset's exact share of an epoch's 32 samples
+    is 32 × 0.01 / 1.01 = 0.32 of a sample. Rounded alike every epoch it never got one (0 of 80 after 40 steps); carried
+    over epochs, by the end of every epoch e its draws are 0.32 e rounded down or up: 1 of every ~3 epochs, 95 or 96 of
+    the 9600 samples of 300 epochs (0.99 %), the other dataset the rest; the 16 batches of each epoch stay 16."""
+    s = BucketBatchSampler(["x"] * 32, 2, seed=3, shares=[Share(16, weight=0.01), Share(16, weight=1.0)])
+    share = Fraction(32) * Fraction(0.01) / (Fraction(0.01) + Fraction(1.0))  # exact, per epoch
+    drawn = _drawn_at_epoch_ends(s, 300, [16, 32])
+    for e, (small, big) in enumerate(drawn, 1):
+        assert abs(small - e * share) < 1 and small + big == 32 * e, (e, small, big)
+    assert drawn[2][0] >= 0 and drawn[3][0] >= 1  # 0.95 by epoch 3, 1.27 by epoch 4: its first sample by then
+    assert drawn[-1][0] in (95, 96) and s.batches_per_epoch(299) == 16
+
+
+def test_weights_over_datasets_of_different_buckets_hold_at_every_epoch_end() -> None:
+    """Three weighted datasets (0.05, 1 and 3 over 16, 12 and 8 samples in buckets x and y, some in both) and one
+    repeated twice, batches of 1, 2 data-parallel groups: at the end of every one of 200 epochs each weighted dataset
+    has drawn its exact share of the 36 weighted samples per epoch times the epochs, within one sample; the
+    repeated one exactly 2 × 5 per epoch. The datasets' buckets differ, so an epoch's batches may differ from the
+    next's; both groups get as many in every epoch."""
+    buckets = ["x"] * 12 + ["y"] * 4 + ["y"] * 12 + ["x"] * 3 + ["y"] * 5 + ["x"] * 5
+    weights = [0.05, 1.0, 3.0]
+    shares = [Share(16, weight=weights[0]), Share(12, weight=weights[1]), Share(8, weight=weights[2]), Share(5, 2)]
+    groups = [BucketBatchSampler(buckets, 1, r, 2, seed=5, shares=shares) for r in range(2)]
+    exact = [Fraction(36) * Fraction(w) / sum(Fraction(v) for v in weights) for w in weights]
+    drawn = [_drawn_at_epoch_ends(g, 200, [16, 28, 36, 41]) for g in groups]
+    for e in range(200):
+        assert groups[0].batches_per_epoch(e) == groups[1].batches_per_epoch(e)
+        ours = [a + b for a, b in zip(drawn[0][e], drawn[1][e])]
+        assert all(abs(ours[k] - (e + 1) * exact[k]) < 1 for k in range(3)), (e, ours)
+        assert ours[3] == 10 * (e + 1)
+        both = [i for g in groups for b in g.epoch_batches(e) for i in b]
+        assert len(both) == 36 + 10  # the groups' batches together: all the epoch's samples
+    # the small dataset's draws split over its buckets by size (12 x, 4 y): its y samples too, in time
+    small = collections.Counter(buckets[i] for e in range(200) for g in groups for b in g.epoch_batches(e) for i in b
+                                if i < 16)  # fmt: skip
+    assert small["x"] + small["y"] in (int(200 * exact[0]), int(200 * exact[0]) + 1) and small["y"] >= 1
+
+
+def test_a_carried_mixture_resumes_exactly_mid_run() -> None:
+    """Weights 0.01 : 1 : 0.3 over datasets of different buckets, batches of 2, 2 data-parallel groups: the state
+    saved mid-way through epoch 7 continues, in a new sampler, with the identical batches for 5 more epochs, and
+    an epoch's batches are the same whether the sampler came there by iterating or was asked for it at once."""
+    buckets = ["x"] * 10 + ["y"] * 6 + ["x"] * 16 + ["y"] * 9
+    shares = [Share(16, weight=0.01), Share(16, weight=1.0), Share(9, weight=0.3)]
+
+    def new() -> BucketBatchSampler:
+        return BucketBatchSampler(buckets, 2, dp_rank=1, dp_size=2, seed=11, shares=shares)
+
+    s = new()
+    it = iter(s)
+    while s.epoch < 7 or s.index < 3:
+        next(it)
+    state = json.loads(json.dumps(s.state_dict()))  # as a checkpoint stores it
+    assert (state["epoch"], state["index"]) == (7, 3)
+    expected = [next(it) for _ in range(sum(s.batches_per_epoch(e) for e in range(7, 12)) - 3)]
+    r = new()
+    r.load_state_dict(state)
+    assert list(itertools.islice(iter(r), len(expected))) == expected
+    assert new().epoch_batches(9) == s.epoch_batches(9)
 
 
 def test_repeats_one_is_every_sample_once_per_epoch_across_dp_groups_and_cp_peers_agree() -> None:

@@ -13,6 +13,7 @@ within the tolerance too when the grid was cut to these (largest: cp 4 full, no 
 from __future__ import annotations
 
 import gc
+import json
 import math
 
 import pytest
@@ -275,3 +276,52 @@ def test_validation_counts_the_pipeline_components_it_loads(tiny_pipeline) -> No
     e = est.estimate(recipe, 2, "cpu")
     assert e.components["validation: pipeline components"] == loaded > 0
     assert "validation: pipeline components" not in est.estimate(load_recipe("recipes/tiny/wan.yaml"), 2).components
+
+
+def _manifest_only_cache(path, buckets: dict[str, int]) -> str:
+    """A folder holding just a cache manifest with these buckets (bucket -> samples): all the estimate reads."""
+    from train.data.dataset import CACHE_FORMAT, CACHE_VERSION
+
+    path.mkdir(parents=True)
+    (path / "manifest.json").write_text(json.dumps({"format": CACHE_FORMAT, "version": CACHE_VERSION,
+                                                    "buckets": buckets, "samples": []}))  # fmt: skip
+    return str(path)
+
+
+def test_the_startup_check_sizes_the_step_from_the_caches_buckets(tmp_path) -> None:
+    """Training from a cache, the step is the size of the cache's largest bucket holding samples (17×64×96: 5 × 4 × 6
+    = 120 tokens), not of the recipe's data.num_frames/height/width (1×32×48: 6 tokens): its prediction is the one
+    of a recipe whose shape is that bucket (no cache read), larger than the recipe's shape alone gives (what the check
+    predicted before, and still does before train.prepare wrote the cache); with a device limit between the two the
+    startup check refuses the run the recipe's shape would have let through. A mixture of caches: the largest of
+    theirs."""
+    from train.config import load_recipe
+
+    def recipe(*sets: str):
+        return load_recipe("recipes/tiny/wan.yaml", ["data.synthetic=null", *sets])
+
+    def activations(e: est.Estimate) -> float:
+        return e.components["activations (blocks)"] + e.components["backward working set"]
+
+    small = ("data.num_frames=1", "data.height=32", "data.width=48")
+    cache = _manifest_only_cache(tmp_path / "cache", {"1x32x48": 3, "17x64x96": 2, "33x128x128": 0})  # none in 33×
+    stills = _manifest_only_cache(tmp_path / "stills", {"1x32x48": 4})
+    from_cache = est.estimate(recipe(f"data.cache_dir={cache}", *small), 2, "cpu")
+    at_bucket = est.estimate(recipe("data.num_frames=17", "data.height=64", "data.width=96"), 2, "cpu")
+    recipe_shape = est.estimate(recipe(f"data.cache_dir={tmp_path / 'not_yet'}", *small), 2, "cpu")
+    assert est.sample_tokens(recipe(f"data.cache_dir={cache}", *small))[0] == 5 * 4 * 6
+    assert activations(from_cache) == activations(at_bucket) > 1.5 * activations(recipe_shape)
+    assert from_cache.peak == at_bucket.peak > 1.5 * recipe_shape.peak
+    mix = f"data.datasets=[{{cache_dir: {stills}}}, {{cache_dir: {cache}, weight: 0.5}}]"
+    assert est.estimate(recipe(mix, *small), 2, "cpu").peak == at_bucket.peak
+    only_stills = est.estimate(recipe(f"data.cache_dir={stills}", "data.num_frames=17", "data.height=64",
+                                      "data.width=96"), 2, "cpu")  # fmt: skip
+    assert only_stills.peak == recipe_shape.peak  # a cache smaller than the recipe says: its own size too
+
+    between = (recipe_shape.peak + at_bucket.peak) / 2 / (1 + est.REFUSE_MARGIN) / est.GIB
+    assert between * est.GIB * (1 + est.REFUSE_MARGIN) > recipe_shape.peak  # the recipe's shape would pass
+    limit = ("parallel.memory_check=refuse", f"parallel.device_memory_gib={between}")
+    cpu = torch.device("cpu")
+    assert est.startup_check(recipe(f"data.cache_dir={tmp_path / 'not_yet'}", *small, *limit), 2, cpu)
+    with pytest.raises(ValueError, match="predicted peak per rank .* over by more than"):
+        est.startup_check(recipe(f"data.cache_dir={cache}", *small, *limit), 2, cpu)

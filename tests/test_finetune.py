@@ -426,3 +426,16 @@ def test_rotation_keeps_the_last_export_until_its_successor_is_complete(tmp_path
     assert list((out / "checkpoints" / "step_000002" / "lora").glob("*.safetensors"))
     assert (out / "checkpoints" / "step_000003" / "COMPLETE").exists()
     assert not (out / "checkpoints" / "step_000003" / "lora").exists()
+
+
+def test_exported_files_are_readable_as_the_umask_says(runs) -> None:
+    """safetensors writes 0600 whatever the umask; the exported adapter gets what `open()` would give it (the ranks
+    inherit this process's umask)."""
+    import os
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    files = sorted((runs(TINY, *CP2, nproc=2).out / "lora").iterdir())
+    assert any(f.suffix == ".safetensors" for f in files), files
+    for f in files:
+        assert f.stat().st_mode & 0o777 == 0o666 & ~mask, (f, oct(f.stat().st_mode))

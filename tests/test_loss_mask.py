@@ -112,6 +112,9 @@ def test_prepare_caches_masks_pooled_to_the_latents(masked_cache):
         assert item["latents"].shape[1:] == want.shape[1:], item["latents"].shape
         assert item["loss_mask"].dtype == torch.float32
         assert torch.equal(item["loss_mask"], want), (i, item["loss_mask"], want)
+    # each sample's mean mask, recorded for the trainer's startup check (train/data/batches.py check_masks)
+    means = [s["mask_mean"] for s in manifest["samples"]]
+    assert means == pytest.approx([float(w.mean()) for w in expected], abs=1e-6), means
     # the values the rule predicts where the mask's edges cut cells: columns 16-23 half in, frames 5-8 half in
     assert _pooled(_clip_mask_0())[0, :, 0].tolist() == [[1, 1, 0.5, 0, 0, 0], [1, 1, 0.5, 0, 0, 0],
                                                          [0.5, 0.5, 0.25, 0, 0, 0]]  # fmt: skip

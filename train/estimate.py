@@ -212,7 +212,8 @@ def model_shape(recipe: Recipe) -> ModelShape:
 def sample_tokens(recipe: Recipe) -> tuple[int, int]:
     """(transformer tokens of the noised streams after patching, text tokens) of one sample at the recipe's
     resolution: from `data.synthetic.shapes` through the spec's `tokens_per_sample`, else from the largest bucket
-    (data.buckets, or those of the data.datasets caches) and the family's size rules (`Geometry`: spatial multiple =
+    (of the caches trained on, `cache_buckets`; before they exist, data.buckets or the recipe's
+    num_frames × height × width) and the family's size rules (`Geometry`: spatial multiple =
     VAE stride × patch, frames period × offset), as `train.prepare.check_geometry` checks them."""
     from train.data.media import Bucket
     from train.models import get_encoder
@@ -224,15 +225,33 @@ def sample_tokens(recipe: Recipe) -> tuple[int, int]:
     local = m.pretrained_path is not None and Path(m.pretrained_path).expanduser().is_dir()
     encoder = get_encoder(m.family)
     g = encoder.geometry(m.pretrained_path if local else None, m.revision)
-    names = data.resolved(m).buckets
-    if data.datasets is not None:  # a mixture: the buckets of its caches (each prepared with a recipe of its own)
-        from train.data.dataset import read_manifest
-
-        names = sorted({b for d in data.datasets for b in read_manifest(d.cache_dir)["buckets"]})
+    # the caches trained on, not the recipe's data.height/width/num_frames (a cache holds the sizes it was prepared at)
+    names = cache_buckets(recipe) or data.resolved(m).buckets
     buckets = [Bucket.parse(x) for x in names]
     g.check(buckets)  # what train.prepare.check_geometry checks
     tokens = max(_tokens_at(recipe, b.frames, b.height, b.width) for b in buckets)
     return tokens, encoder.text_tokens(data.max_text_tokens) or encoder.default_text_tokens
+
+
+def cache_buckets(recipe: Recipe) -> list[str]:
+    """The buckets holding samples in the caches the trainer reads (data.cache_dir, or each of data.datasets'), from
+    their manifests; none for synthetic data, or when data.cache_dir holds no cache yet (an estimate before
+    train.prepare: then the recipe's buckets are what prepare will write). A mixture's caches must exist."""
+    from train.data.dataset import CacheMissingError, read_manifest
+
+    data = recipe.data
+    if data.synthetic is not None:
+        return []
+    names: set[str] = set()
+    for cache in data.cache_dirs():
+        try:
+            manifest = read_manifest(cache)
+        except CacheMissingError:
+            if data.datasets is not None:
+                raise
+            return []
+        names.update(b for b, n in manifest.get("buckets", {}).items() if n)
+    return sorted(names)
 
 
 def _tokens_at(recipe: Recipe, frames: int | None, height: int | None, width: int | None) -> int:

@@ -39,6 +39,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from train.errors import UserError
+from train.files import match_umask
 from train.lora_format import LoraFormat, peft_adapters, save_original, to_original
 from train.runtime import keep_alive
 
@@ -80,6 +81,7 @@ class _Publish:
         shutil.rmtree(old, ignore_errors=True)
         if self.final.exists():
             self.final.rename(old)
+        match_umask(self.staging)  # safetensors writes 0600: readable as the umask says (train/files.py)
         self.staging.rename(self.final)
         shutil.rmtree(old, ignore_errors=True)
 

@@ -63,7 +63,7 @@ from train.config import (
     recipe_to_dict,
     save_recipe,
 )
-from train.data.batches import Batches, bucket_tokens, build_dataset, check_text_lengths, make_batches
+from train.data.batches import Batches, bucket_tokens, build_dataset, check_masks, check_text_lengths, make_batches
 from train.ema import EMA
 from train.errors import EXIT_CODE, UserError, peer_reported, quiet_interrupt, report
 from train.estimate import startup_check
@@ -554,6 +554,7 @@ def parse_args(argv: list[str] | None) -> tuple[Recipe, argparse.Namespace]:
     check_inputs(recipe, int(os.environ.get("WORLD_SIZE", "1")))
     check_model(recipe, family_spec(recipe.model))
     check_validation(recipe, family_spec(recipe.model))  # prompts, images, pipeline: before the model is built
+    MetricsLogger.check_tracking(recipe)  # online wandb: a login and the server (train/tracking.py)
     return recipe, args
 
 
@@ -591,6 +592,7 @@ def main(argv: list[str] | None = None) -> None:
                            exclude=heldout.excluded if heldout else frozenset(),
                            tokens_of=token_budget(recipe, spec, dataset))  # fmt: skip
     check_text_lengths(dataset, spec, recipe, batches.sampler.batch_sizes)  # per bucket (train.batch_tokens)
+    check_masks(dataset, dist.get_rank())  # loss masks that leave nothing to train: refused
 
     # --- will it fit? train.estimate's prediction for this layout; refused (one line) when clearly over the device --
     memory = startup_check(recipe, dist.get_world_size(), device)

@@ -51,13 +51,17 @@ class MetricsLogger:
     One wandb run per run of the output_dir: its id is the run's (run.json, train/rundir.py), so a resumed run continues
     the same wandb run (online: wandb's resume; offline: `wandb sync` of its folders fills one run). The last step sent
     to wandb is kept in `wandb/logged.json`; a resumed run recomputes the steps after its checkpoint (identically) and
-    sends wandb only the steps after that one, so no step is logged twice. No credential is read or written here:
-    online mode uses the user's own `wandb login` (or WANDB_API_KEY)."""
+    sends wandb only the steps after that one, so no step is logged twice; a damaged logged.json is rebuilt from
+    metrics.jsonl with a warning (`_logged_before`). No credential is read or written here: online mode uses the
+    user's own `wandb login` (or WANDB_API_KEY), which `check_tracking` looks for at startup.
+
+    A metrics write that fails on rank 0 (a full disk) is one UserError on every rank (`log`): what failed, and where
+    the run's last complete checkpoint is."""
 
     def __init__(self, accelerator, output_dir: Path, run_config: dict, logging_cfg, run_name: str,
                  run_id: str | None = None) -> None:  # fmt: skip
         self.accelerator, self.is_main = accelerator, accelerator.is_main_process
-        self.path = output_dir / "metrics.jsonl"
+        self.out, self.path = output_dir, output_dir / "metrics.jsonl"
         self.use_wandb = logging_cfg.wandb_mode != "disabled"
         self.last_step: int | None = None  # the last step logged to wandb by this process
         self.state = output_dir / "wandb" / WANDB_STATE
@@ -78,17 +82,19 @@ class MetricsLogger:
     def _logged_before(self, run_id: str) -> int:
         """The last step an earlier process of this run sent wandb, from logged.json (0: the file is another wandb
         run's). The file only spares wandb steps it holds already, so a damaged one is rebuilt, with a warning, not a
-        reason to refuse the resume: metrics.jsonl gets each line before wandb does, so its last step is the most wandb
-        can hold (at most that one step is then missing in wandb, if a kill fell between the two writes; none is sent
-        twice)."""
+        reason to refuse the resume: metrics.jsonl gets each line before wandb does, so its last step is what wandb
+        holds, give or take: one step fewer if a kill fell between the two writes (that step stays missing in wandb);
+        more if an earlier resume was cut short after truncating metrics.jsonl (those steps are sent again, and wandb
+        drops a step below the one it holds, with a warning). Nothing of the run's training state is involved."""
         try:
             saved = json.loads(self.state.read_text())
-            last = saved.get("last_step") if isinstance(saved, dict) else None
-            if isinstance(saved, dict) and saved.get("id") != run_id and "id" in saved:
+            ours = isinstance(saved, dict) and saved.get("id") == run_id
+            if isinstance(saved, dict) and "id" in saved and not ours:
                 return 0
+            last = saved.get("last_step") if ours else None
             if isinstance(last, int) and not isinstance(last, bool) and last >= -1:
                 return last
-            why = "not a {id, last_step} object" if not isinstance(saved, dict) else f"last_step is {last!r}"
+            why = f"last_step is {last!r}" if ours else "not an {id, last_step} object"
         except (OSError, ValueError) as e:  # unreadable, a folder, not UTF-8 or not JSON
             why = f"{type(e).__name__}: {e}"
         from train.report import read_metrics
@@ -98,8 +104,10 @@ class MetricsLogger:
         try:
             self._save_state(before)
         except OSError as e:
-            raise UserError(f"{self.state} is damaged ({why}) and cannot be rewritten ({e.strerror or e}): remove it "
-                            "(it records only the last step sent to wandb), then rerun with --resume") from None
+            raise UserError(
+                f"{self.state} is damaged ({why}) and cannot be rewritten ({e.strerror or e}): remove it "
+                "(it records only the last step sent to wandb), then rerun with --resume"
+            ) from None
         print(f"warning: {self.state} was damaged ({why}); rebuilt from {self.path.name}: wandb gets the steps after "
               f"step {before}" + (" (its last line)" if lines else " (no metrics line: every step)"),
               file=sys.stderr, flush=True)  # fmt: skip
@@ -156,8 +164,10 @@ class MetricsLogger:
         code = failure & ~STATE_FILE
         why = "an OS error" if code == UNKNOWN_ERRNO else os.strerror(code).lower()
         name = errnos.errorcode.get(code)
-        return (f"step {step}: cannot write {path} ({why}{f', {name}' if name else ''}); "
-                f"{kept(latest_checkpoint(path.parent if path == self.path else path.parent.parent))}")
+        return (
+            f"step {step}: cannot write {path} ({why}{f', {name}' if name else ''}); "
+            f"{kept(latest_checkpoint(self.out))}"
+        )
 
     def log_images(self, paths: list[Path]) -> None:
         """The report's charts (train/report.py) as wandb images under `report/<name>`, at the last logged step."""

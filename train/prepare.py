@@ -18,12 +18,15 @@ item's loss mask (an image or a video of the media's size) is decoded and croppe
 to the latents' resolution as the family's VAE compresses (`FamilyEncoder.loss_mask`) and stored as `loss_mask`; an
 item without one gets all ones.
 
-Bad items (unreadable/corrupt, too short, too small, no caption, no audio track, reference image or named conditioning
+Bad items (unreadable/corrupt, too short, too small, no caption or one that is not text (`bad_caption`: a lone
+surrogate such as JSON's "\\ud800"), no audio track, reference image or named conditioning
 video where the family needs one (`no_condition` / `bad_condition`: `data.condition_columns`), an unreadable or
 mismatched loss mask (`bad_mask`), NaN/Inf from the encoders) are skipped, counted and
 listed in the manifest; the run fails if they are more than `data.max_bad_fraction` of the source. Resumable: items
 whose sample file exists and is whole are not encoded again (their metadata is re-read; a missing, truncated or damaged
-file is encoded again), and a resumed run must use the same settings (prepare_config.json). The manifest records each
+file is encoded again), and a resumed run must use the same settings (prepare_config.json). Ctrl-C, a full disk or
+a read-only cache_dir end it with one line saying how many samples the cache keeps (exit 130, or 2). Files are
+written `0o666 & ~umask` (train/files.py). The manifest records each
 sample's size, which the trainer checks at startup. Latents are sampled from the VAE posterior with a generator
 seeded by (train.seed, item index) (`data.latent_sample: sample`, the pipelines' own default) or taken as its mean
 (`mode`), so a resumed or re-sharded run writes the same tensors as an uninterrupted one.
@@ -32,11 +35,15 @@ seeded by (train.seed, item index) (`data.latent_sample: sample`, the pipelines'
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import errno
 import functools
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -61,6 +68,7 @@ from train.data.media import (
     to_model_input,
 )
 from train.errors import UserError, report
+from train.files import match_umask, read_umask
 from train.models import get_encoder
 
 __all__ = [
@@ -414,12 +422,111 @@ def item_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index) % (2**63)
 
 
-def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    from safetensors.torch import save_file
+# Why a write into the cache failed, as the user's fix needs it: no room, or no permission to write there.
+_NO_SPACE = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
+_READ_ONLY = {
+    errno.EROFS: "a read-only filesystem",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+}
 
+
+class _CacheWriteError(Exception):
+    """Writing `path` in the cache failed for want of space or permission (prepare reports it with what is kept)."""
+
+    def __init__(self, path: Path, error: OSError) -> None:
+        super().__init__(f"{path}: {error}")
+        self.path, self.error = path, error
+
+
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """Writes to `path`: an OSError for want of space or permission becomes a _CacheWriteError."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in _NO_SPACE or e.errno in _READ_ONLY:
+            raise _CacheWriteError(path, e) from e
+        raise
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """`data` as `path`: a temp file renamed into place, so `path` is whole or absent (a full disk or a kill midway
+    leaves no half-written file under its name; a failed write removes its temp file), readable as the umask says."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    with _writing(path):
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            match_umask(tmp)  # as `open` would make it (train/files.py), before the name appears
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    # Serialised here and written by Python (not save_file): a full disk is then an OSError with its errno (save_file's
+    # is a SafetensorError "os error 28"), and the file is not left 0600.
+    from safetensors.torch import save
+
+    _atomic_write(path, save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata))
+
+
+def _complete_samples(cache: Path) -> int:
+    """How many sample files in `cache` are whole (what a resumed run keeps)."""
+    with contextlib.suppress(OSError):
+        return sum(safetensors_problem(p) is None for p in (cache / "samples").glob("[0-9]*.safetensors"))
+    return 0
+
+
+def _samples(n: int, total: int | None) -> str:
+    """ "3 of 8 samples are", "1 sample is" (what the cache holds, out of the source's items where known)."""
+    if total is not None:
+        return f"{n} of {total} samples are"
+    return f"{n} sample{'s' * (n != 1)} {'is' if n == 1 else 'are'}"
+
+
+def _kept(cache: Path, total: int | None) -> str:
+    return f"{_samples(_complete_samples(cache), total)} complete in {cache} and kept"
+
+
+def _write_failed(e: _CacheWriteError, cache: Path, total: int | None) -> PrepareError:
+    """The one line for a write the cache's disk refused: what happened, what is kept, the fix."""
+    kept = f"{_kept(cache, total)} (prepare resumes from them)"
+    if e.error.errno in _NO_SPACE:
+        what, fix = _NO_SPACE[e.error.errno], "free space on its disk (or choose another data.cache_dir)"
+        return PrepareError(f"{what} writing {e.path}: {kept}; {fix}, then rerun the same command to continue")
+    return _read_only(cache, _READ_ONLY[e.error.errno], e.path.parent, total)
+
+
+def _read_only(cache: Path, why: str, folder: Path, total: int | None) -> PrepareError:
+    what = "cannot write in it" if folder == cache else f"cannot write in {folder}"
+    return PrepareError(f"data.cache_dir {cache} is read-only ({why}): {what}; {_kept(cache, total)}; make it writable "
+                        f"(chmod u+w {folder}) or set data.cache_dir to a writable folder, then rerun the same "
+                        "command")  # fmt: skip
+
+
+def _check_writable(cache: Path, total: int) -> None:
+    """Raise PrepareError, before anything is written or loaded, when the cache folder (or, where it does not exist
+    yet, the nearest folder above it) cannot be written: a read-only filesystem, no permission, or no write bit at all
+    (a folder someone made read-only: refused even for root, whom the bits do not stop)."""
+    folder = next((p for p in (cache, *cache.absolute().parents) if p.exists()), None)
+    if folder is None or not folder.is_dir():
+        return  # mkdir's own error
+    for path in (folder, cache / "samples"):
+        if not path.is_dir():
+            continue
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            why = "a read-only filesystem"
+        elif not os.access(path, os.W_OK | os.X_OK):
+            why = "permission denied"
+        elif not path.stat().st_mode & 0o222:
+            why = f"a non-writable folder, mode {path.stat().st_mode & 0o777:o}"
+        else:
+            continue
+        raise _read_only(cache, why, path, total)
 
 
 def _cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -485,6 +592,15 @@ def prepare(recipe: Recipe, *, stop_after: int | None = None, log: Callable[[str
     check_ready(recipe)  # missing settings and impossible sizes fail before anything is loaded
     data = recipe.data.resolved(recipe.model)
     run = _Run(recipe, data, Path(data.cache_dir), _Procs.current())
+    _PROGRESS.update(cache=run.cache, total=None)
+    try:
+        return _prepare(run, t_start, stop_after, log)
+    except _CacheWriteError as e:  # a full disk, a read-only folder: one line saying what the cache keeps
+        raise _write_failed(e, run.cache, _PROGRESS["total"]) from None
+
+
+def _prepare(run: _Run, t_start: float, stop_after: int | None, log: Callable[[str], None]) -> dict[str, Any]:
+    recipe, data = run.recipe, run.data
     listing = _open_cache(run)
     model = recipe.model
     run.encoder = get_encoder(model.family)
@@ -514,12 +630,16 @@ def _open_cache(run: _Run) -> _Listing:
                           data.mask_column, conditions)  # fmt: skip
     if len(listing) == 0:
         raise PrepareError(f"{data.source}: no items")
+    _PROGRESS["total"] = len(listing)
+    _check_writable(cache, len(listing))  # every rank: each writes its samples
     if run.procs.rank == 0:
-        (cache / "samples").mkdir(parents=True, exist_ok=True)
-        tmp = cache / ".prepare_config.json.tmp"
-        tmp.write_text(json.dumps(fingerprint(run.recipe), indent=2) + "\n")
-        os.replace(tmp, cache / "prepare_config.json")
-        (cache / "manifest.json").unlink(missing_ok=True)  # the manifest marks a complete cache
+        with _writing(cache / "samples"):
+            (cache / "samples").mkdir(parents=True, exist_ok=True)
+            for stale in (cache / "samples").glob(".*.tmp"):  # a killed run's partial writes (no rank writes yet)
+                stale.unlink(missing_ok=True)
+        _atomic_write(cache / "prepare_config.json", (json.dumps(fingerprint(run.recipe), indent=2) + "\n").encode())
+        with _writing(cache / "manifest.json"):
+            (cache / "manifest.json").unlink(missing_ok=True)  # the manifest marks a complete cache
     run.procs.barrier()
     return listing
 
@@ -532,6 +652,8 @@ def _load_item(run: _Run, buckets: list[Bucket], item: SourceItem) -> tuple[str,
         return "reuse", None
     if item.caption is None:
         return "bad", BadMediaError("no_caption", f"{item.name}: caption ({data.caption_column}) missing")
+    if bad_text := _not_unicode(item.caption):  # the tokenizer and the file's metadata would raise on it
+        return "bad", BadMediaError("bad_caption", f"{item.name}: caption ({data.caption_column}) {bad_text}")
     if missing := [name for name, src in item.conditions.items() if src is None]:
         columns = data.condition_columns_of(missing)
         what = ", ".join(f"{n} (column {columns[n]!r}, data.condition_columns)" for n in missing)
@@ -550,6 +672,17 @@ def _load_item(run: _Run, buckets: list[Bucket], item: SourceItem) -> tuple[str,
         return "ok", (bucket, clip, data.fps or info.fps, extra, mask)
     except BadMediaError as e:
         return "bad", e
+
+
+def _not_unicode(text: str) -> str | None:
+    """Why `text` is no valid Unicode text (a lone surrogate, e.g. JSON's "\\ud800" or a mis-decoded file name), or
+    None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"holds a lone surrogate (U+{ord(text[e.start]):04X} at character {e.start}), which is not text: fix "
+                "the caption (half of an emoji's escaped pair?)")  # fmt: skip
+    return None
 
 
 def load_mask(src: Any, media: MediaInfo, bucket: Bucket, fps: float | None, allow_upscale: bool) -> torch.Tensor:
@@ -603,6 +736,7 @@ def _encode_items(run: _Run, listing: _Listing, stop_after: int | None) -> tuple
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(my_indices), desc=f"prepare {family}", unit="item")
+        _PROGRESS["bar"] = bar
     prefetch = max(1, run.data.num_workers)
     for item, (status, payload) in _prefetched(functools.partial(_load_item, run, buckets), mine, prefetch):
         if status == "reuse":
@@ -623,6 +757,7 @@ def _encode_items(run: _Run, listing: _Listing, stop_after: int | None) -> tuple
             bar.update(1)
     if bar is not None:
         bar.close()
+        _PROGRESS["bar"] = None
     return records, new
 
 
@@ -652,6 +787,8 @@ def _encode_item(
     path = sample_path(run.cache, item.index)
     _atomic_save(tensors, path, meta)
     record = _ok_record(item, bucket, int(tensors["prompt_embeds"].shape[0]), path.stat().st_size, reused=False)
+    if LOSS_MASK in tensors:  # the trainer refuses a cache whose masks leave nothing to train (batches.check_masks)
+        record["mask_mean"] = float(tensors[LOSS_MASK].float().mean())
     return record | {"at_limit": _at_limit(tensors.get("prompt_mask"), run.text_tokens)}
 
 
@@ -671,15 +808,14 @@ def _finish(run: _Run, part: dict[str, Any], total: int, log: Callable[[str], No
     """Gather every process's records into the manifest (rank 0 writes it); fail when too many items are bad."""
     procs, cache = run.procs, run.cache
     parts = cache / ".prepare"
-    parts.mkdir(exist_ok=True)
-    (parts / f"rank{procs.rank}-of-{procs.world}.json").write_text(json.dumps(part))
+    with _writing(parts):
+        parts.mkdir(exist_ok=True)
+    _atomic_write(parts / f"rank{procs.rank}-of-{procs.world}.json", json.dumps(part).encode())
     procs.barrier()
     all_parts = [json.loads((parts / f"rank{r}-of-{procs.world}.json").read_text()) for r in range(procs.world)]
     manifest = _manifest(run.recipe, cache, all_parts, total, procs.world, run.text_tokens)
     if procs.rank == 0:
-        tmp = cache / ".manifest.json.tmp"
-        tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-        os.replace(tmp, cache / "manifest.json")
+        _atomic_write(cache / "manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())
         log(summary(manifest, cache))
     procs.barrier()
     counts, max_bad = manifest["counts"], run.data.max_bad_fraction
@@ -705,12 +841,15 @@ def _reused_record(cache: Path, item: SourceItem, text_tokens: int | None) -> di
         meta = f.metadata() or {}
         text_len = f.get_slice("prompt_embeds").get_shape()[0]
         mask = f.get_tensor("prompt_mask") if "prompt_mask" in f.keys() else None
+        loss_mask = f.get_tensor(LOSS_MASK) if LOSS_MASK in f.keys() else None
     if meta.get("source") != item.name:
         raise PrepareError(
             f"{sample_path(cache, item.index)} was written for {meta.get('source')!r} but item {item.index} is now "
             f"{item.name!r}: the source listing changed; prepare into a new data.cache_dir"
         )
     record = _ok_record(item, meta["bucket"], text_len, path.stat().st_size, reused=True)
+    if loss_mask is not None:
+        record["mask_mean"] = float(loss_mask.float().mean())
     return record | {"caption": meta.get("caption", item.caption), "at_limit": _at_limit(mask, text_tokens)}
 
 
@@ -763,7 +902,12 @@ def _manifest(
         },  # fmt: skip
         "empty_prompt": "empty_prompt.safetensors",
         "samples": [
-            {k: r[k] for k in ("index", "file", "bucket", "caption", "source", "text_len", "bytes")} for r in ok
+            {
+                k: r[k]
+                for k in ("index", "file", "bucket", "caption", "source", "text_len", "bytes", "mask_mean")
+                if k in r
+            }
+            for r in ok
         ],
         "bad": bad,
         "timing": {
@@ -804,6 +948,32 @@ def summary(manifest: dict[str, Any], cache: Path | str) -> str:
     return "\n".join(lines)
 
 
+# What the Ctrl-C line reports: the cache being filled (None before the recipe is read), how many items its source has
+# (None before it is listed), the progress bar to end the line of.
+_PROGRESS: dict[str, Any] = {"cache": None, "total": None, "bar": None}
+
+
+def _interrupt_line() -> str:
+    cache, total = _PROGRESS["cache"], _PROGRESS["total"]
+    if cache is None:
+        return "interrupted before anything was written; rerun the same command to prepare"
+    held = _samples(_complete_samples(cache), total)
+    return f"interrupted: {held} cached in {cache}; rerun the same command to continue"
+
+
+def _on_interrupt(signum: int, frame: Any) -> None:
+    """Ctrl-C: one line saying what the cache keeps, exit 128 + signal, no traceback. It leaves at once
+    like train/errors.py `quiet_interrupt` (an exception raised here would land inside whatever torch or PyAV call
+    runs); every file is written by rename (`_atomic_write`), so nothing half-written looks complete, and the next
+    run removes the temp file this may leave."""
+    signal.signal(signum, lambda *_: os._exit(128 + signum))  # a second Ctrl-C while counting: leave at once
+    if os.environ.get("RANK", "0") == "0":  # once per job
+        bar = "\n" if _PROGRESS["bar"] is not None else ""  # end the progress bar's line
+        print(f"{bar}{_interrupt_line()}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m train.prepare",
@@ -819,6 +989,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     args = parser.parse_args(argv)
+    read_umask()  # once, before the prefetch threads: the cache's files get the user's umask (train/files.py)
+    _PROGRESS.update(cache=None, total=None, bar=None)
+    handle = not args.debug and threading.current_thread() is threading.main_thread()  # --debug: the traceback
+    before = signal.signal(signal.SIGINT, _on_interrupt) if handle else None
     try:
         recipe = recipe_from_args(args)
         check_prepare_inputs(recipe)
@@ -827,6 +1001,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.debug:
             raise
         raise SystemExit(report(e if isinstance(e, UserError) else UserError(str(e)))) from None
+    finally:
+        if handle:  # called in-process (tests): the caller's own Ctrl-C handling again
+            signal.signal(signal.SIGINT, before)
 
 
 if __name__ == "__main__":

@@ -12,11 +12,17 @@ contributed), the predicted vs measured peak memory, throughput, and where the w
 The trainer writes the report at the end of every run (rank 0, after export) through `report_at_end`, which never
 raises: the report is derived from files already on disk, so a plotting failure must not turn a trained, exported run
 into a failed job (its exit code is what schedulers and `train.launch` act on); the command above rewrites it later.
+A report that fails replaces the output_dir's previous report.md (an earlier process's or run's: stale) with a short
+one saying why and how to retry, and removes its charts; one that cannot even write that removes report.md.
+
+A damaged input (a metrics line that is not one the trainer writes, metrics.jsonl a folder, a damaged memory.json or
+layout.json) is one line from the command (`error: <file>, line N: ...`, exit code 2) naming the file and the fix.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -66,25 +72,83 @@ def record_memory(out_dir: Path, recipe: Recipe, world_size: int, device_type: s
     (out_dir / "memory.json").write_text(json.dumps(record, indent=1))
 
 
-def read_metrics(path: Path) -> tuple[list[dict], str | None]:
+# Every training step's line holds these (train/finetune.py `train_step`); the report reads each of them.
+STEP_KEYS = ("loss", "grad_norm", "lr", "transformer_tokens_per_s", "step_time_s", "peak_mem_bytes")
+NUMBERS = (*STEP_KEYS, "val_loss", "bad_steps")  # numbers when present (val_loss may be null), as are samples/<name>
+DAMAGED = "the file was edited or damaged: restore it, or delete that line"
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _problem(line: object) -> str | None:
+    """Why a parsed metrics line is not one the trainer writes; None when it is. What resume needs (a step number) and
+    the types of the values the report reads; `report_keys` adds the keys the report needs."""
+    if not isinstance(line, dict):
+        return f"a JSON {type(line).__name__}, not an object"
+    if "step" not in line:
+        return 'no "step" key'
+    step = line["step"]
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f'"step" is {json.dumps(step)}, not a step number'
+    for key, v in line.items():
+        if (key in NUMBERS or key.startswith("samples/")) and not (_number(v) or (v is None and key == "val_loss")):
+            return f'"{key}" is {json.dumps(v)}, not a number'
+    return None
+
+
+def _report_problem(line: dict) -> str | None:
+    """What the report needs beyond `_problem`: a training step's keys (step 0's line holds only val_loss)."""
+    if "loss" not in line and "val_loss" not in line:
+        return 'neither "loss" nor "val_loss"'
+    missing = [k for k in STEP_KEYS if k not in line] if "loss" in line else []
+    if not missing:
+        return None
+    return f"no {', '.join(repr(k) for k in missing)} (a training step's line holds {', '.join(STEP_KEYS)})"
+
+
+def read_metrics(path: Path, report_keys: bool = False) -> tuple[list[dict], str | None]:
     """metrics.jsonl's lines, and a note when its last line was torn (a run killed while writing it: dropped). A
-    damaged line before the last one is a UserError naming it."""
-    text = path.read_text(encoding="utf-8", errors="replace")
+    damaged line (not JSON before the last line; anywhere, JSON that is not a metrics line: `_problem`, and with
+    `report_keys` `_report_problem`), or a file that cannot be read, is a UserError naming it and the fix."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except IsADirectoryError:
+        raise UserError(f"{path} is a folder, not the run's metrics file (one JSON line per logged step): move it "
+                        "away, or restore the file") from None  # fmt: skip
+    except OSError as e:
+        raise UserError(f"cannot read {path} ({e.strerror or e}): fix its permissions, or restore it") from None
     raw = [(i + 1, ln) for i, ln in enumerate(text.splitlines()) if ln.strip()]
     lines, note = [], None
     for k, (number, ln) in enumerate(raw):
         try:
             line = json.loads(ln)
-            if not isinstance(line, dict) or "step" not in line:
-                raise ValueError("not a step's line")
-            lines.append(line)
-        except ValueError as e:
+        except ValueError as e:  # not JSON: a torn last line (the write cut short), or damage before it
             if k == len(raw) - 1:
                 note = f"{path}: its last line ({number}) is torn (a run stopped while writing it): left out"
-            else:
-                raise UserError(f"{path}, line {number}: not a metrics line ({e}); the file was edited or damaged: "
-                                "restore it, or delete that line") from None  # fmt: skip
+                continue
+            raise UserError(f"{path}, line {number}: not a metrics line ({e}); {DAMAGED}") from None
+        problem = _problem(line) or (_report_problem(line) if report_keys else None)
+        if problem:  # whole JSON, the wrong shape: not a torn write, wherever it is
+            raise UserError(f"{path}, line {number}: not a metrics line ({problem}); {DAMAGED}")
+        lines.append(line)
     return lines, note
+
+
+def _read_json(path: Path) -> dict | None:
+    """memory.json or layout.json as a dict; None when absent; a UserError when damaged (the run wrote them)."""
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} cannot be read ({type(e).__name__}: {e}): restore it, or delete it (the report "
+                        "then leaves its rows out)") from None  # fmt: skip
+    if not isinstance(data, dict):
+        raise UserError(f"{path} holds a JSON {type(data).__name__}, not an object: restore it, or delete it (the "
+                        "report then leaves its rows out)")  # fmt: skip
+    return data
 
 
 def load_run(out: Path) -> Run:
@@ -93,12 +157,16 @@ def load_run(out: Path) -> Run:
         raise UserError(f"{metrics_path} does not exist: is {out} a training run's output_dir?")
     if not (out / "recipe.yaml").exists():
         raise UserError(f"{out} has no recipe.yaml (a run writes it at its start): is it a training run's output_dir?")
-    lines, note = read_metrics(metrics_path)
+    lines, note = read_metrics(metrics_path, report_keys=True)
     if note:
         print(f"report: {note}")
-    memory = json.loads((out / "memory.json").read_text()) if (out / "memory.json").exists() else None
-    layout = json.loads((out / "layout.json").read_text()) if (out / "layout.json").exists() else {}
-    return Run(out, lines, load_recipe(out / "recipe.yaml"), layout, memory)
+    memory, layout = _read_json(out / "memory.json"), _read_json(out / "layout.json") or {}
+    try:  # (load_recipe's own errors are UserErrors; not text, or not a file, are not)
+        recipe = load_recipe(out / "recipe.yaml")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{out / 'recipe.yaml'} cannot be read ({type(e).__name__}: {e}): restore it (the run wrote "
+                        "its resolved recipe there)") from None  # fmt: skip
+    return Run(out, lines, recipe, layout, memory)
 
 
 def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
@@ -325,19 +393,50 @@ def _outputs(run: Run) -> list[tuple[str, object]]:
 
 
 def write_report(out: Path) -> list[Path]:
-    """Write `out/report/*.png` and `out/report.md`; returns the PNG paths."""
+    """Write `out/report/*.png` and `out/report.md`; returns the PNG paths. Charts of an earlier report that this
+    one has no data for are removed (they would be another run's, or an older state's)."""
     run = load_run(out)
     charts = plot(run, out / "report")
-    (out / "report.md").write_text(summary(run, charts))
+    _remove_charts(out, keep=charts)
+    _write_atomic(out / "report.md", summary(run, charts))
     return charts
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")  # a failed write (a full disk) leaves no half report
+    try:
+        tmp.write_text(text)
+        tmp.rename(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _remove_charts(out: Path, keep: list[Path] | tuple[()] = ()) -> None:
+    for _, stem, _, _ in CHARTS:
+        path = out / "report" / f"{stem}.png"
+        if path not in keep:
+            path.unlink(missing_ok=True)
+
+
 def report_at_end(out: Path) -> list[Path]:
-    """The trainer's end-of-run report: `write_report`, or one printed line on failure (never raises; see above)."""
+    """The trainer's end-of-run report: `write_report`, or one printed line on failure (never raises; see above).
+    A failed report replaces the previous report.md (another run's or an earlier process's: stale) with a short one
+    saying why and how to retry, and removes its charts; if even that cannot be written, report.md is removed."""
     try:
         charts = write_report(out)
     except Exception as err:  # noqa: BLE001 — the run's weights and metrics are written; the report is optional
-        print(f"report: not written ({type(err).__name__}: {err}); retry with `python -m train.report {out}`")
+        why = f"{type(err).__name__}: {err}"
+        retry = f"`python -m train.report {out}`"
+        try:
+            _remove_charts(out)
+            _write_atomic(out / "report.md", f"# Run report: not written\n\nThe end-of-run report failed ({why}).\n"
+                          f"\nFix the cause, then write it with {retry}.\n")  # fmt: skip
+            said = f"{out / 'report.md'} says why"
+        except Exception:  # noqa: BLE001 — a full disk: no stale report stays either
+            with contextlib.suppress(OSError):
+                (out / "report.md").unlink(missing_ok=True)
+            said = "the previous report.md removed"
+        print(f"report: not written ({why}); {said}; retry with {retry}")
         return []
     print(f"report: {out / 'report.md'} ({len(charts)} charts in {out / 'report'})")
     return charts

@@ -8,6 +8,7 @@ caption dropout), or synthetic data; a fixed batch size (train.batch_size) or on
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -102,6 +103,27 @@ def check_text_lengths(dataset, spec: Family, recipe: Recipe, batch_sizes: Mappi
         )
 
 
+def check_masks(dataset, rank: int = 0) -> None:
+    """A cache prepared with `data.mask_column` records each sample's mean mask (train.prepare): every sample's mask
+    all black trains nothing (loss and gradients 0 at every step) and is refused; some samples' all black is a warning
+    (rank 0). Caches without the record (no masks, or older caches) are not checked."""
+    parts = dataset.parts if isinstance(dataset, MixedDataset) else [dataset]
+    caches = [p for p in parts if isinstance(p, CachedLatentDataset)]
+    known = [(c, [s["mask_mean"] for s in c.samples if "mask_mean" in s]) for c in caches]
+    known = [(c, means) for c, means in known if means]
+    if not known:
+        return
+    zero = [(c, sum(m == 0 for m in means), len(means)) for c, means in known]
+    fix = "white (255 in the red channel) marks what trains: check data.mask_column's masks (inverted?)"
+    if all(n == total for _, n, total in zero) and sum(t for _, _, t in zero) == len(dataset):
+        raise UserError(f"every sample's loss mask is all black ({', '.join(str(c.cache_dir) for c in caches)}): the "
+                        f"loss and gradients would be 0 at every step and the export the base; {fix}")  # fmt: skip
+    for cache, n, total in zero:
+        if n and rank == 0:
+            print(f"warning: {n} of {total} samples of {cache.cache_dir} have an all-black loss mask and train "
+                  f"nothing; {fix}", file=sys.stderr, flush=True)  # fmt: skip
+
+
 class Batches:
     """Infinite iterator of collated batches on `device`; its position is part of every checkpoint.
 
@@ -159,7 +181,8 @@ class Batches:
 
     def describe(self) -> dict[str, Any]:
         """What the run trains on, for layout.json and the report: per bucket its samples per epoch, batch size (and
-        tokens per sample with train.batch_tokens); a mixture's datasets with their settings and samples per epoch."""
+        tokens per sample with train.batch_tokens); a mixture's datasets with their settings and samples per epoch
+        (weighted: the mean over epochs, e.g. 0.32, as each epoch's quota is carried over from the last)."""
         s = self.sampler
         buckets = {b: {"samples_per_epoch": n, "batch_size": s.batch_sizes[b],
                        **({"tokens_per_sample": self.tokens[b]} if self.tokens else {})}

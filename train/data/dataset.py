@@ -36,17 +36,20 @@ sequence depends only on (seed, epoch, dp_rank, dp_size), so all ranks of a cont
 the same batches and different data-parallel groups get disjoint ones; it runs forever over epochs, and
 `state_dict()` records the exact position so a resumed run continues with the very next batch. Several caches
 (`MixedDataset`, data.datasets) are one index space whose epoch holds each cache's samples its repeats times or its
-weighted share (`Share`); a batch size per bucket (train.batch_tokens) cuts each bucket with its own size.
+weighted share (`Share`, carried over epochs so that a small weight is honoured over the run); a batch size per
+bucket (train.batch_tokens) cuts each bucket with its own size.
 """
 
 from __future__ import annotations
 
 import bisect
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -429,16 +432,30 @@ class Share:
     weight: float | None = None
 
 
-def apportion(total: int, weights: Sequence[float]) -> list[int]:
-    """`total` split in proportion to `weights` in whole numbers that sum to it (largest remainders; ties to the
-    first): the same on every rank (the same float operations in the same order)."""
-    if not weights or total == 0:
-        return [0] * len(weights)
-    exact = [total * w / sum(weights) for w in weights]
-    out = [int(x) for x in exact]
-    order = sorted(range(len(weights)), key=lambda i: (out[i] - exact[i], i))
-    for i in order[: total - sum(out)]:
-        out[i] += 1
+def _number(x: Fraction | int) -> int | float:
+    """A mean count per epoch for reports: whole, or rounded to 2 decimals."""
+    return int(x) if x == int(x) else round(float(x), 2)
+
+
+def carry(proportions: Sequence[Fraction], before: Sequence[int], total: int) -> list[int]:
+    """Whole counts summing to `total` for parts of exact `proportions` (summing to 1), grown from the counts `before`
+    at a smaller total: each is total × its proportion rounded down or up (within 1 of exact) and none is below its
+    count before, so a part's draws over epochs (`total` = all samples drawn so far) follow its share however small.
+
+    Each part first gets what it must (its exact count rounded down, or its count before); the seats left (fewer than
+    the parts) go, one each, to the parts still below their exact count rounded up whose next seat falls due first
+    (the smallest total at which their rounded-down exact count reaches it): earliest-deadline-first, which never
+    leaves a part behind its share (cumulative quotas as in Pfair scheduling). Exact fractions: the same on every rank.
+    """
+    out = [max(c, math.floor(total * p)) for c, p in zip(before, proportions)]
+    left = total - sum(out)
+    due = sorted(
+        (math.ceil((out[k] + 1) / p), k) for k, p in enumerate(proportions) if p and out[k] < math.ceil(total * p)
+    )
+    if not 0 <= left <= len(due):  # cannot happen for totals that grow (tests/test_data_mix.py: many random mixtures)
+        raise AssertionError(f"carry: {left} seats left for {len(due)} parts (before {list(before)}, total {total})")
+    for _, k in due[:left]:
+        out[k] += 1
     return out
 
 
@@ -446,16 +463,22 @@ class BucketBatchSampler:
     """Infinite batches of dataset indices, one bucket per batch, split across data-parallel groups.
 
     Epoch e: the epoch's samples per bucket (every index once; for a mixture, `shares`: each dataset's samples its
-    repeats times, or a weighted dataset's quota, split over its buckets in proportion to their sizes so that every
-    epoch holds as many samples of each bucket, its samples each quota // size times plus a seeded draw of the rest,
-    a new one every epoch); a generator seeded with (seed, e) shuffles each bucket's samples (when `shuffle`), cuts
-    them into batches of the bucket's batch size (`batch_size`: one for all, or per bucket, from train.batch_tokens;
-    the last short batch of a bucket is dropped when `drop_last`, else kept), and shuffles the batch order. That
-    global list is the same on every rank; data-parallel group `dp_rank` takes batches dp_rank, dp_rank + dp_size,
-    ... so the groups see disjoint batches and every CP rank of a group sees the same ones. Every group gets the same
-    number of batches per epoch (`len(self)`, the same every epoch): extra batches are dropped (drop_last) or the list
-    wraps around (drop_last=False) so that no rank waits for a batch that never comes. `exclude`: indices never
-    drawn (a held-out split).
+    repeats times, or a weighted dataset's quota, split over its buckets in proportion to their sizes, its samples
+    each quota // size times plus a seeded draw of the rest, a new one every epoch); a generator seeded with (seed, e)
+    shuffles each bucket's samples (when `shuffle`), cuts them into batches of the bucket's batch size (`batch_size`:
+    one for all, or per bucket, from train.batch_tokens; the last short batch of a bucket is dropped when `drop_last`,
+    else kept), and shuffles the batch order. That global list is the same on every rank; data-parallel group
+    `dp_rank` takes batches dp_rank, dp_rank + dp_size, ... so the groups see disjoint batches and every CP rank of a
+    group sees the same ones. Every group gets the same number of batches in an epoch (`batches_per_epoch`): extra
+    batches are dropped (drop_last) or the list wraps around (drop_last=False) so that no rank waits for a batch that
+    never comes. `exclude`: indices never drawn (a held-out split).
+
+    Weighted quotas are carried over epochs (`carry`): a dataset's exact share of an epoch (say 0.32 samples) is not
+    rounded the same way every epoch but so that its samples drawn by the end of every epoch are its exact share of
+    all drawn then, rounded down or up (one sample in about 3 epochs); likewise its split over its buckets. The
+    weighted datasets fill the same number of samples every epoch, so the batches per epoch are the same every epoch
+    unless the datasets' buckets differ (then an epoch may hold a batch more or fewer than the next: `__len__` is the
+    current epoch's). Epoch e's plan is a function of e alone (and the settings): a resumed run continues exactly.
     """
 
     def __init__(
@@ -492,64 +515,114 @@ class BucketBatchSampler:
                 if i not in exclude:  # held out of training (validation_loss's seeded split)
                     self._strata.setdefault((str(dataset_buckets[i]), k), []).append(i)
             start += share.samples
-        self._quota = self._quotas()
-        self.counts = {b: sum(q for (bb, _), q in self._quota.items() if bb == b) for b in buckets}  # per epoch
-        per_bucket = [n // sizes[b] if drop_last else -(-n // sizes[b]) for b, n in self.counts.items()]
-        total = sum(per_bucket)
-        self._per_rank = total // dp_size if drop_last else -(-total // dp_size)
-        if self._per_rank == 0:
-            what = f"batches of {batch_size}" if isinstance(batch_size, int) else f"batches (per bucket: {sizes})"
-            raise UserError(
-                f"{self.num_samples} samples (per bucket and epoch: {self.counts}) make {total} {what}, fewer than "
-                f"the {dp_size} data-parallel groups: lower train.batch_size (or train.batch_tokens), add samples, or "
-                "use fewer DP ranks"
-            )
+        self._setup_quotas()
+        self.counts = {b: _number(sum(q for (bb, _), q in self._mean.items() if bb == b)) for b in buckets}  # mean
         self._cached: tuple[int, list[list[int]]] | None = None  # (epoch, its global batch list)
+        if self.batches_per_epoch(0) == 0:
+            what = f"batches of {batch_size}" if isinstance(batch_size, int) else f"batches (per bucket: {sizes})"
+            total = self._all_batches(0)
+            # the trainer's only exclude is validation_loss's split of the training data: say what it took
+            held = sum(1 for i in exclude if 0 <= i < self.num_samples)
+            why, fix = "", ""
+            if held:
+                left = self.num_samples - held
+                why = f" (validation_loss.fraction held out {held} of them, leaving {left} to train on)"
+                fix = ", lower validation_loss.fraction (or hold out a cache of its own: validation_loss.cache_dir)"
+            raise UserError(
+                f"{self.num_samples} samples{why} (per bucket and epoch: {self.counts}) make {total} {what}, fewer "
+                f"than the {dp_size} data-parallel groups: lower train.batch_size (or train.batch_tokens){fix}, add "
+                "samples, or use fewer DP ranks"
+            )
         self.epoch = 0
         self.index = 0
 
-    def _quotas(self) -> dict[tuple[str, int], int]:
-        """Samples per epoch of each (bucket, dataset): its size × repeats, or, weighted, the dataset's quota split
-        over its buckets by size (so the per-bucket counts, hence the batches per epoch, are the same every epoch)."""
+    def _setup_quotas(self) -> None:
+        """What each epoch's quotas derive from: each (bucket, dataset)'s fixed count (its size × repeats) and, for the
+        weighted datasets, their exact proportions of the weighted samples per epoch (the weighted datasets' sizes
+        together) and each one's buckets' proportions of it (by size); their mean per epoch (`self._mean`)."""
         size = [sum(len(v) for (_, k), v in self._strata.items() if k == j) for j in range(len(self.shares))]
-        weighted = [k for k, s in enumerate(self.shares) if s.weight is not None and size[k]]
-        # e.g. 6 + 40 samples weighted 2 : 1 -> 31 + 15 per epoch: the small dataset's samples 5 times, 1 of them 6
-        total = sum(size[k] for k in weighted)
-        quota = dict(zip(weighted, apportion(total, [self.shares[k].weight for k in weighted])))
-        out = {}
-        for k, share in enumerate(self.shares):
-            strata = sorted((b, len(v)) for (b, j), v in self._strata.items() if j == k)
-            split = apportion(quota.get(k, 0), [n for _, n in strata]) if share.weight is not None else None
-            for s, (b, n) in enumerate(strata):
-                out[(b, k)] = n * share.repeats if split is None else split[s]
+        self._weighted = [k for k, s in enumerate(self.shares) if s.weight is not None and size[k]]
+        self._total = sum(size[k] for k in self._weighted)  # weighted samples per epoch, the same every epoch
+        weights = [Fraction(self.shares[k].weight) for k in self._weighted]  # exact: the same on every rank
+        self._proportions = [w / sum(weights) for w in weights]
+        # each weighted dataset's strata (bucket, k) in order, and their proportions of that dataset's draws
+        self._split: list[tuple[list[tuple[str, int]], list[Fraction]]] = []
+        for k in self._weighted:
+            strata = sorted(key for key in self._strata if key[1] == k)
+            self._split.append((strata, [Fraction(len(self._strata[key]), size[k]) for key in strata]))
+        self._fixed = {key: len(idx) * self.shares[key[1]].repeats for key, idx in self._strata.items()
+                       if key[1] not in self._weighted}  # fmt: skip
+        self._mean: dict[tuple[str, int], Fraction | int] = dict(self._fixed)
+        for p, (strata, split) in zip(self._proportions, self._split):
+            for key, q in zip(strata, split):
+                self._mean[key] = self._total * p * q
+        # cumulative draws by the start of epoch e: (per weighted dataset, per weighted stratum), e = 0, 1, ...
+        self._drawn: list[tuple[list[int], list[list[int]]]] = [
+            ([0] * len(self._weighted), [[0] * len(strata) for strata, _ in self._split])
+        ]
+
+    def _cumulative(self, epoch: int) -> tuple[list[int], list[list[int]]]:
+        """The weighted datasets' (and their strata's) samples drawn in epochs 0 .. epoch - 1, each carried on from
+        the epoch before (computed once, in order: a few fraction operations per dataset and epoch)."""
+        while len(self._drawn) <= epoch:
+            datasets, strata = self._drawn[-1]
+            e = len(self._drawn)
+            now = carry(self._proportions, datasets, e * self._total)
+            split = [carry(q, before, n) for (_, q), before, n in zip(self._split, strata, now)]
+            self._drawn.append((now, split))
+        return self._drawn[epoch]
+
+    def quotas(self, epoch: int) -> dict[tuple[str, int], int]:
+        """Samples of each (bucket, dataset) in `epoch`: its size × repeats, or, weighted, what its carried share
+        adds in that epoch."""
+        out = dict(self._fixed)
+        (_, before), (_, after) = self._cumulative(epoch), self._cumulative(epoch + 1)
+        for (strata, _), b, a in zip(self._split, before, after):
+            for key, x, y in zip(strata, b, a):
+                out[key] = y - x
         return out
 
-    def plan(self) -> list[int]:
-        """Samples per epoch of each dataset (the shares' order), before batching."""
-        return [sum(q for (_, j), q in self._quota.items() if j == k) for k in range(len(self.shares))]
+    def plan(self, epoch: int | None = None) -> list[int | float]:
+        """Samples of each dataset (the shares' order), before batching: in `epoch`, or (None) per epoch on average
+        (a weighted dataset's exact share, rounded to 2 decimals when not whole)."""
+        quota = self._mean if epoch is None else self.quotas(epoch)
+        return [_number(sum(q for (_, j), q in quota.items() if j == k)) for k in range(len(self.shares))]
+
+    def _all_batches(self, epoch: int) -> int:
+        """How many batches `epoch`'s samples make, from its per-bucket counts (nothing drawn)."""
+        counts: dict[str, int] = {}
+        for (b, _), q in self.quotas(epoch).items():
+            counts[b] = counts.get(b, 0) + q
+        size = self.batch_sizes
+        return sum(n // size[b] if self.drop_last else -(-n // size[b]) for b, n in counts.items())
+
+    def batches_per_epoch(self, epoch: int) -> int:
+        """Batches of `epoch` for each data-parallel group."""
+        total = self._all_batches(epoch)
+        return total // self.dp_size if self.drop_last else -(-total // self.dp_size)
 
     def __len__(self) -> int:
-        """Batches per epoch for this data-parallel group."""
-        return self._per_rank
+        """Batches of the current epoch for this data-parallel group (the same every epoch but for a mixture of
+        weighted datasets with different buckets)."""
+        return self.batches_per_epoch(self.epoch)
 
     def _epoch_samples(self, epoch: int) -> dict[str, list[int]]:
         """Each bucket's samples of `epoch`, before shuffling. Weighted quotas that are not whole multiples of a
         bucket's samples draw the rest from a generator of their own: one dataset (or repeats only) draws nothing,
         and its sequence is the one it had before mixtures."""
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch + 0x5EED_0000)
+        quota = self.quotas(epoch)
         out: dict[str, list[int]] = {}
         for (bucket, k), idx in sorted(self._strata.items()):
-            copies, extra = divmod(self._quota[(bucket, k)], len(idx))
+            copies, extra = divmod(quota[(bucket, k)], len(idx))
             drawn = idx * copies
             if extra:
                 drawn += [idx[j] for j in sorted(torch.randperm(len(idx), generator=gen)[:extra].tolist())]
             out.setdefault(bucket, []).extend(drawn)
         return out
 
-    def _global(self, epoch: int) -> list[list[int]]:
-        """The batches of `epoch` for all data-parallel groups (group r's are r, r + dp_size, ...)."""
-        if self._cached is not None and self._cached[0] == epoch:
-            return self._cached[1]
+    def _batches(self, epoch: int) -> list[list[int]]:
+        """All the batches `epoch`'s samples make, in order (before they are split over the data-parallel groups)."""
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         batches: list[list[int]] = []
         for bucket, idx in sorted(self._epoch_samples(epoch).items()):
@@ -562,8 +635,15 @@ class BucketBatchSampler:
                     batches.append(chunk)
         if self.shuffle:
             batches = [batches[j] for j in torch.randperm(len(batches), generator=gen).tolist()]
-        need = self._per_rank * self.dp_size
-        while len(batches) < need:  # drop_last=False: wrap around so every group gets as many batches
+        return batches
+
+    def _global(self, epoch: int) -> list[list[int]]:
+        """The batches of `epoch` for all data-parallel groups (group r's are r, r + dp_size, ...)."""
+        if self._cached is not None and self._cached[0] == epoch:
+            return self._cached[1]
+        batches = self._batches(epoch)
+        need = self.batches_per_epoch(epoch) * self.dp_size
+        while batches and len(batches) < need:  # drop_last=False: wrap around so every group gets as many batches
             batches += batches[: need - len(batches)]
         self._cached = (epoch, batches[:need])
         return self._cached[1]
@@ -579,8 +659,12 @@ class BucketBatchSampler:
         return [x for b in self._global(self.epoch)[i * self.dp_size : (i + 1) * self.dp_size] for x in b]
 
     def __iter__(self) -> Iterator[list[int]]:
+        empty = 0  # epochs in a row without a batch for the groups (a mixture's lean epoch may have none)
         while True:
             batches = self.epoch_batches(self.epoch)
+            empty = 0 if batches else empty + 1
+            if empty > 1000:
+                raise RuntimeError(f"the data sampler made no batch in 1000 epochs up to epoch {self.epoch}")
             while self.index < len(batches):
                 batch = batches[self.index]
                 self.index += 1  # the position is the *next* batch as soon as this one is handed out
