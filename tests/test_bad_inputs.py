@@ -102,6 +102,11 @@ CASES = [
     trainer("lr_absurd", "train.lr=1e38", words=("--set: train.lr", "must be <= 100, got 1e+38")),
     trainer("lora_rank_0", "finetune.lora_rank=0", words=("finetune.lora_rank", ">= 1")),
     trainer(
+        "lora_rank_above_width",
+        "finetune.lora_rank=64",
+        words=("finetune.lora_rank", "set finetune.lora_rank to at most 56"),
+    ),
+    trainer(
         "master_weights_bf16_fp32_compute",
         "train.master_weights=bf16",
         words=("train.master_weights", "mixed_precision is no", "train.mixed_precision: bf16"),

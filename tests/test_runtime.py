@@ -129,6 +129,42 @@ def test_diagnose_names_silent_and_late_ranks() -> None:
     assert diagnose(0, 5, 7, first, second) == [1, 2, 4]  # 4 never published
 
 
+def test_long_phases_re_arm_the_watchdog_per_unit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real watchdog with a 1 s deadline: a held-out evaluation of 4 samples at 0.4 s each (1.6 s, no hang) and a
+    long phase of 4 units of 0.4 s that calls runtime.keep_alive per unit (an export's tensors, a checkpoint's files)
+    are never reported; the same 1.6 s without re-arming is (the deadline is live)."""
+    import torch
+
+    from train import heldout
+
+    reports: list[str] = []
+    monkeypatch.setattr(runtime.Watchdog, "_report", lambda self, seq, name, step, stuck: reports.append(name))
+    wd = runtime.Watchdog(1.0, rank=0, world=1, store=None, parent=None)
+    wd._thread.start()
+    monkeypatch.setattr(runtime, "_ACTIVE", wd)
+
+    def slow_loss(*args, **kwargs) -> torch.Tensor:
+        time.sleep(0.4)
+        return torch.ones(())
+
+    monkeypatch.setattr(heldout, "micro_batch_loss", slow_loss)
+    held = object.__new__(heldout.HeldOutLoss)  # the per-sample loop only; its collectives are not under test
+    held.mine, held.device, held.seed, held.amp = [(i, 1.0) for i in range(4)], torch.device("cpu"), 0, None
+    held.dataset, held.spec, held.objective = [{"latents": torch.zeros(1)}] * 4, None, None
+    total = torch.zeros((), dtype=torch.float64)
+    held._evaluate(torch.nn.Identity(), total, 3, wd)
+    assert float(total) == 4.0 and reports == []
+    wd.phase("export", 3)
+    for _ in range(4):
+        time.sleep(0.4)
+        runtime.keep_alive()
+    assert reports == []
+    wd.phase("checkpoint", 3)
+    time.sleep(1.6)
+    assert reports and set(reports) == {"checkpoint"}
+    wd.idle()
+
+
 def _timeout_rank(rank: int, world: int, done: str) -> str | None:
     """init_processes' group with parallel.timeout_s=3 (no grace); rank 1's all-reduce, which rank 0 never joins
     (it waits for rank 1's `done` file instead)."""

@@ -317,6 +317,8 @@ def apply_finetune(
             targets = list(cfg.lora_targets or spec.lora_targets)
             check_lora_targets(model, targets)
             if cfg.adapter == "lora":
+                check_lora_rank(model, targets, cfg.lora_rank)
+            if cfg.adapter == "lora":
                 config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                                     target_modules=targets, init_lora_weights=True, use_dora=cfg.dora)  # fmt: skip
             else:
@@ -366,6 +368,21 @@ def check_lora_targets(model: torch.nn.Module, targets: list[str]) -> None:
     raise UserError(f"finetune.lora_targets: {said} match{'es' * (len(unmatched) == 1)} no module of "
                     f"{type(model).__name__} (peft skips an unmatched target silently); its linear layers are named "
                     f"{', '.join(linear[:24])}{' ...' * (len(linear) > 24)}")  # fmt: skip
+
+
+def check_lora_rank(model: torch.nn.Module, targets: list[str], rank: int) -> None:
+    """A LoRA update B·A of a layer is at most min(in, out) wide: a `lora_rank` above a targeted layer's width adds
+    parameters, memory and optimizer state that can never raise the update's rank. Every rank builds the same model:
+    the same error."""
+    widths = {n: min(m.in_features, m.out_features) for n, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear) and any(n == t or n.endswith(f".{t}") for t in targets)}  # fmt: skip
+    narrow = {n: w for n, w in widths.items() if w < rank}
+    if narrow:
+        name, width = min(narrow.items(), key=lambda kv: kv[1])
+        raise UserError(f"finetune.lora_rank: {rank} is above the width of {len(narrow)} targeted layer(s) "
+                        f"(the narrowest, {name}, is {width} wide), where the update's rank cannot exceed {width}; "
+                        f"set finetune.lora_rank to at most {min(narrow.values())}, or leave those layers out of "
+                        "finetune.lora_targets")  # fmt: skip
 
 
 def lora_init(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
