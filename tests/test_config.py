@@ -103,6 +103,12 @@ def test_save_and_load_yaml(tmp_path):
     recipe = recipe_from_dict({**MINIMAL, "name": "1e-4", "train": {"mixed_precision": "no", "lr": 2e-4}})
     save_recipe(recipe, tmp_path / "sub" / "saved.yaml")
     assert load_recipe(tmp_path / "sub" / "saved.yaml") == recipe  # strings that look like floats/bools stay strings
+    # a run started from an adapter file: its saved recipe.yaml reads back (train.report loads it at the run's end)
+    recipe = recipe_from_dict(
+        {**MINIMAL, "name": "r", "finetune": {"method": "lora", "init_lora": str(tmp_path / "a.safetensors")}}
+    )
+    save_recipe(recipe, tmp_path / "init.yaml")
+    assert load_recipe(tmp_path / "init.yaml") == recipe
 
 
 def test_yaml_dialect(tmp_path):

@@ -45,7 +45,9 @@ _WAN_CLASSES = {"WanTransformer3DModel", "ChronoEditTransformer3DModel", "SkyRee
 # Cosmos' cross-attention attends the whole text from each rank's queries, and diffusers' RMSNorm (its norm_k) takes
 # the variance in fp32: each rank's partial key gradient is rounded to fp32 before the CP sum (fp64: 2e-8).
 # Z-Image's replicated refiners likewise (their norm_k, and RoPE in fp32) once CP 3+ spreads the image tokens.
-_FP32_NORM_CLASSES = {"CosmosTransformer3DModel", "ZImageTransformer2DModel"}
+# Krea 2's RMSNorm runs in fp32 (`.float()`, every norm of the model) and its text fusion is replicated: each rank's
+# partial text-fusion gradient is rounded to fp32 before the CP sum (fp64: 3e-7 at CP 3, 9e-16 at CP 2).
+_FP32_NORM_CLASSES = {"CosmosTransformer3DModel", "ZImageTransformer2DModel", "Krea2Transformer2DModel"}
 FP32_INSIDE = {n for n in FAMILY_NAMES if get_family(n).transformer_class in _WAN_CLASSES | _FP32_NORM_CLASSES}
 # world -> (ring, ulysses) layouts; variants: (dtype, checkpointing)
 LAYOUTS = {2: ((1, 2), (2, 1)), 3: ((1, 3),), 4: ((1, 4), (2, 2), (4, 1))}

@@ -297,6 +297,37 @@ def _drive_qwenimage_edit(path: Path, monkeypatch: pytest.MonkeyPatch) -> Pipeli
     return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)})
 
 
+def _drive_qwenimage_edit_plus(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    """QwenImageEditPlusPipeline (batch size 1, the most it takes) given two input images of other aspect ratios and
+    the caption itself: it resizes each image twice (its VL and VAE areas), encodes the prompt with both ("Picture 1:
+    ... Picture 2: ...") and packs both images' latents after the target's; the cache holds the family encoder's
+    tensors of the same images and caption. The tiny transformer has zero_cond_t (2511's timestep-0 image tokens). The
+    VAE area is 128 x 128 instead of 1024 x 1024 for speed: the pipeline and the encoder read one module constant."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+    from PIL import Image
+
+    monkeypatch.setattr(plus, "VAE_IMAGE_SIZE", 128 * 128)
+    encoder = get_encoder("qwenimage_edit_plus")
+    encoder.load(str(path))
+    images, files = [], []
+    for i, (h, w) in enumerate([(24, 40), (36, 20)]):
+        pixels = torch.randint(0, 256, (h, w, 3), generator=_gen(3 + i), dtype=torch.uint8)
+        images.append(Image.fromarray(pixels.numpy()))
+        files.append(str(path.parent / f"qwenimage_edit_plus_control_{i}.png"))
+        images[-1].save(files[-1])
+    extra = encoder.load_extra(None, None, None, None, files)
+    item = encoder.encode_extra(extra, None, "mode", None) | encoder.encode_item_text(CAPTIONS[1], None, extra)
+    batch = collate([item])
+    pipe = diffusers.QwenImageEditPlusPipeline.from_pretrained(path, **encoder.pipeline_components(str(path), None))
+    (_, c, _, h, w), s = _recipe_latents("qwenimage_edit_plus"), pipe.vae_scale_factor
+    step = _one_step(pipe, monkeypatch)
+    final = pipe(image=images, prompt=CAPTIONS[1], height=h * s, width=w * s, num_inference_steps=1,
+                 generator=_gen(SEED), output_type="latent").images  # fmt: skip
+    noisy = randn_tensor((1, 1, c, h, w), generator=_gen(SEED)).permute(0, 2, 1, 3, 4)  # drawn (B, 1, C, H, W)
+    final = pipe._unpack_latents(final, h * s, w * s, s)  # packed (B, H*W, C) -> (B, C, 1, H, W)
+    return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, 1)}, {"latents": final})
+
+
 def _drive_flux2(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
     batch = _cached_text("flux2", path, BATCH)
     pipe = diffusers.Flux2Pipeline.from_pretrained(path)
@@ -305,6 +336,22 @@ def _drive_flux2(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
     pipe(prompt_embeds=batch["prompt_embeds"], latents=noisy, height=2 * h * s, width=2 * w * s,
          num_inference_steps=1, output_type="latent")  # fmt: skip
     return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)})
+
+
+def _drive_krea2(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    """Krea2Pipeline given the captions themselves (it templates them into its fixed-length block, padded in the
+    middle, and stacks the tapped layers), CFG off (guidance_scale 0: one transformer call per step), given packed
+    noise; the cache holds the family encoder's text of the same captions. Its latent result is unpacked as it
+    decodes."""
+    batch = _cached_text("krea2", path, BATCH)
+    assert not batch["prompt_mask"].all()  # a padded mask reaches the transformer
+    pipe = diffusers.Krea2Pipeline.from_pretrained(path)
+    step, (b, c, _, h, w), s = _one_step(pipe, monkeypatch), _recipe_latents("krea2"), pipe.vae_scale_factor
+    noisy = torch.randn(b, c, 1, h, w, generator=_gen(SEED))
+    final = pipe(prompt=list(CAPTIONS[:b]), latents=pipe._pack_latents(noisy[:, :, 0], b, c, h, w), height=h * s,
+                 width=w * s, guidance_scale=0.0, num_inference_steps=1, output_type="latent").images  # fmt: skip
+    final = pipe._unpack_latents(final, h * s, w * s)  # packed -> (B, C, 1, H, W), as it decodes
+    return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)}, {"latents": final})
 
 
 def _drive_qwenimage(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
@@ -572,6 +619,41 @@ def _drive_ltx_i2v(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
                  output_type="latent").frames  # fmt: skip
     final = pipe._unpack_latents(final, f, h, w)
     return step.result(batch, {"latents": noisy}, {"latents": _sigma(pipe.scheduler, b)}, {"latents": final})
+
+
+def _drive_ltx2(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:
+    """LTX2Pipeline, one step on both streams: the cached connector outputs of the family encoder as the prompt (the
+    pipeline's connectors run on the raw Gemma states, so the step is driven through them: the same captions'
+    `encode_prompt` states), video latents packed (not normalised again), audio latents given so that the pipeline's
+    own normalisation makes them the noisy audio; its final latents renormalised into the cache layout."""
+    batch = _cached_text("ltx2", path, BATCH, frame_rate=torch.tensor(24.0))
+    pipe = diffusers.LTX2Pipeline.from_pretrained(path)
+    # sigmas through the call, not force_sigmas: the pipeline deep-copies its scheduler for the audio stream
+    step = _Step(monkeypatch, pipe.transformer)
+    b, c, f, h, w = _recipe_latents("ltx2")
+    s, t = pipe.vae_spatial_compression_ratio, pipe.vae_temporal_compression_ratio
+    num_frames = (f - 1) * t + 1
+    audio_frames = round(num_frames / 24 * pipe.audio_sampling_rate / pipe.audio_hop_length / 4)
+    mel = pipe.audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio
+    noisy = torch.randn(b, c, f, h, w, generator=_gen(SEED))
+    audio = torch.randn(b, pipe.audio_vae.config.latent_channels, audio_frames, mel, generator=_gen(SEED + 1))
+    mean, std = pipe.audio_vae.latents_mean, pipe.audio_vae.latents_std
+    given = pipe._unpack_audio_latents(pipe._denormalize_audio_latents(pipe._pack_audio_latents(audio), mean, std),
+                                       audio_frames, mel)  # fmt: skip
+    embeds, mask, _, _ = pipe.encode_prompt(CAPTIONS[:BATCH], do_classifier_free_guidance=False)
+    video_out, audio_out = pipe(prompt_embeds=embeds, prompt_attention_mask=mask, latents=pipe._pack_latents(noisy),
+                                audio_latents=given, height=h * s, width=w * s, num_frames=num_frames, frame_rate=24,
+                                sigmas=[SIGMA], guidance_scale=1.0, stg_scale=0.0, modality_scale=1.0,
+                                audio_guidance_scale=1.0, audio_stg_scale=0.0, audio_modality_scale=1.0,
+                                num_inference_steps=1, output_type="latent", return_dict=False)  # fmt: skip
+    vae = pipe.vae  # (no guidance of any kind above: one conditional transformer call)
+    final = {"latents": pipe._normalize_latents(video_out, vae.latents_mean, vae.latents_std,
+                                                vae.config.scaling_factor),
+             "audio_latents": pipe._unpack_audio_latents(pipe._normalize_audio_latents(
+                 pipe._pack_audio_latents(audio_out), mean, std), audio_frames, mel)}  # fmt: skip
+    sigma = _sigma(pipe.scheduler, b)
+    return step.result(batch, {"latents": noisy, "audio_latents": audio}, {"latents": sigma, "audio_latents": sigma},
+                       final)  # fmt: skip
 
 
 def _drive_hunyuan_video(path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineStep:

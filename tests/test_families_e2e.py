@@ -77,6 +77,13 @@ LAUNCH: dict[str, tuple[int, tuple[str, ...]]] = {
     "qwenimage21": (3, ("parallel.cp=3",)),
     # Wan Animate: the reference frame, pose latents and the face video (motion encoder, face adapters per frame)
     "wan_animate": (3, ("parallel.cp=3",)),
+    # Qwen-Image-Edit-Plus: the control image's tokens after the target's, zero_cond_t's modulate_index split with them
+    "qwenimage_edit_plus": (3, ("parallel.cp=3",)),
+    # Krea 2: the fixed-length text block padded in its middle, the joint key mask split like the keys, the text
+    # fusion replicated and the output layer after the gather (replicated_tail)
+    "krea2": (3, ("parallel.cp=3",)),
+    # LTX-2: clips with a soundtrack, video and audio streams both split, at CP 3
+    "ltx2": (3, ("parallel.cp=3",)),
 }
 # clip sides (before rounding up to the spatial multiple) where 32 x 48 gives fewer image tokens than the run's CP
 # degree: HunyuanImage's x32 VAE makes 32 x 64 one latent row of 2 tokens; 64 x 96 gives 2 x 3
@@ -125,7 +132,7 @@ def _prepare(family: str, pipeline: Path, root: Path) -> Path:
     video = spec.latent_kind == "video"
     frames = next(f for f in range(5, 100) if f % geometry.frame_period == geometry.frame_offset) if video else 1
     height, width = (_round_up(side, geometry.spatial_multiple) for side in SIDES.get(family, (32, 48)))
-    sound = "audio_latents" in spec.streams  # MiniMax-H3: clips with a soundtrack
+    sound = "audio_latents" in spec.streams  # MiniMax-H3, LTX-2: clips with a soundtrack
     fps = 24.0  # MiniMax-H3's fixed rate; any rate for the others
     media = root / "media"
     make_media_set(media, num_videos=3 if video else 1, num_images=0 if video else 2, frames=max(frames, 9),

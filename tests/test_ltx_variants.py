@@ -72,9 +72,9 @@ GRAD_TOL = {torch.float32: 2e-5, torch.float64: 1e-10}
 
 @rank_job(2, 3, 4)
 def _ltx2_ranks(rank: int, world: int) -> dict:
-    """LTX-2 (audio + video, not a family) with both padded text masks, under CP vs serial: outputs and every
-    gradient after the SUM over CP, in fp32 and fp64; and the MEAN, which must be wrong for every parameter (each
-    rank really holds a partial gradient: the audio stream too is split, not replicated)."""
+    """LTX-2 (audio + video: the ltx2 family's tiny model and inputs) with both padded text masks, under CP vs
+    serial: outputs and every gradient after the SUM over CP, in fp32 and fp64; and the MEAN, which must be wrong for
+    every parameter (each rank really holds a partial gradient: the audio stream too is split, not replicated)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 

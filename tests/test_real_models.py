@@ -65,6 +65,9 @@ PUBLISHED_PARAMS = {
     "Qwen/Qwen-Image": 20_430_401_088,
     # the Qwen-Image 20B transformer (Qwen-Image-Edit is trained from it; the same config)
     "Qwen/Qwen-Image-Edit": 20_430_401_088,
+    # Qwen-Image-Edit-2509 / -2511: the same 20B transformer further trained (2511's zero_cond_t adds no parameter)
+    "Qwen/Qwen-Image-Edit-2509": 20_430_401_088,
+    "Qwen/Qwen-Image-Edit-2511": 20_430_401_088,
     # the FLUX.1-dev 12B transformer (the same config; the hub's safetensors total is FLUX.1-dev's)
     "black-forest-labs/FLUX.1-Kontext-dev": 11_901_408_320,
     # a public component registry that counts the hub's 6 transformer shards of hunyuanvideo-community/HunyuanVideo
@@ -111,6 +114,12 @@ PUBLISHED_PARAMS = {
     # Wan2.1-I2V-14B's count (above) + the Animate parts the shipped config builds: the face adapters (839,026,688),
     # the motion encoder (22,736,436), the face encoder (17,842,176) and the pose patch embedding (332,800)
     "Wan-AI/Wan2.2-Animate-14B-Diffusers": 17_274_816_884,
+    # Krea 2 Raw: no exact published total found (public model cards and catalogs say "12B" / "12.9B"); the count of the
+    # shipped config, diffusers' Krea2Transformer2DModel, which drops the original final layer's linear up/down residual
+    "krea/Krea-2-Raw": 12_820_073_036,
+    # LTX-2 (audio + video): no exact published total found (the model card's "19B"); the count of the shipped config,
+    # diffusers' convert_ltx2_to_diffusers.py values, which the 19B rounds
+    "Lightricks/LTX-2": 18_876_174_592,
 }
 
 # The per-sample cache layout (C, ...) each family's encoder writes for a clip of F frames × H × W pixels (documented in

@@ -57,6 +57,7 @@ __all__ = [
     "LoggingConfig",
     "ModelConfig",
     "ParallelConfig",
+    "PreservationConfig",
     "Recipe",
     "RecipeError",
     "SyntheticData",
@@ -269,6 +270,23 @@ class ParallelConfig(Section):
         return rep, shard, cp
 
 
+class PreservationConfig(Section):
+    """Differential output preservation (DOP, ai-toolkit's `diff_output_preservation`): each sample's preservation
+    prompt is its caption with every `trigger` replaced by `class_word` (its text embeddings cached by train.prepare
+    beside the sample); the frozen base's prediction (the trained adapter off) on that prompt and the step's noisy
+    latents is the target of the adapted model's prediction on it, and `weight` times their mean squared error is
+    added to the loss (logged as `preservation_loss`, unweighted). One more forward without gradients and one with
+    per micro-batch (both graphs held until backward: twice the activations, train.estimate counts them). LoRA only.
+    DreamBooth's prior preservation is a class dataset mixed in with its own weight: data.datasets[].loss_weight."""
+
+    trigger: Annotated[str, Field(min_length=1)]
+    """The trigger word (or phrase) of the captions, replaced in each caption to give its preservation prompt."""
+    class_word: Annotated[str, Field(min_length=1)]
+    """What the trigger is replaced with: the class the subject belongs to (e.g. `person`, `dog`)."""
+    weight: float = Field(1.0, gt=0, le=100)
+    """Weight of the preservation term in the loss (ai-toolkit's diff_output_preservation_multiplier)."""
+
+
 class TrainConfig(Section):
     """Optimisation: steps, batch, optimizer, schedule, timestep sampling and loss."""
 
@@ -342,6 +360,9 @@ class TrainConfig(Section):
     """The trained weights' dtype: fp32, or bf16 with each update stochastically rounded (torchao, seeded per step:
     exact on resume), which needs train.mixed_precision: bf16. Full fine-tuning then holds 8 bytes per parameter
     with adamw (6 with adamw_8bit) instead of 16 (every parameter bf16, norms too: FSDP2 trains one dtype)."""
+    preservation: PreservationConfig | None = None
+    """Differential output preservation (LoRA): keep the base model's output on each caption with the trigger
+    replaced by a class word (train.prepare caches those prompts); null = off."""
 
     @model_validator(mode="after")
     def _policy(self) -> TrainConfig:
@@ -364,6 +385,10 @@ class TrainConfig(Section):
             report([("master_weights", f"is bf16, whose weights compute in bf16, but mixed_precision is "
                      f"{self.mixed_precision}; set train.mixed_precision: bf16, or master_weights: fp32")])  # fmt: skip
         return self
+
+
+# What finetune.init_lora's file brings (its ranks, alphas, targets): not set beside it.
+INIT_LORA_OWNS = ("lora_rank", "lora_alpha", "lora_targets")
 
 
 class FinetuneConfig(Section):
@@ -429,7 +454,7 @@ class FinetuneConfig(Section):
                              "cannot: drop finetune.init_lora, or train adapter: lora, dora: false"))  # fmt: skip
         if self.init_lora is not None:
             problems += [(k, f"is set, but init_lora {self.init_lora} brings its own ranks, alphas and targets; drop "
-                          f"finetune.{k}") for k in ("lora_rank", "lora_alpha", "lora_targets")
+                          f"finetune.{k}") for k in INIT_LORA_OWNS
                          if k in self.model_fields_set]  # fmt: skip
         report(problems)
         return self
@@ -468,6 +493,9 @@ class DatasetConfig(Section):
     with repeats."""
     caption_dropout: Annotated[float, Field(ge=0, le=1)] | None = None
     """Its caption dropout; null = train.caption_dropout."""
+    loss_weight: Annotated[float, Field(gt=0, le=100)] | None = None
+    """Its samples' weight in the loss (each sample's flow-matching loss times it; DreamBooth's prior preservation:
+    a class dataset at e.g. 1.0 beside the subject's); null = 1."""
 
     @model_validator(mode="after")
     def _draw(self) -> DatasetConfig:
@@ -483,15 +511,18 @@ class DataConfig(Section):
     cache_dir: str | None = None
     """Folder of cached latents and text embeddings, written by `python -m train.prepare`."""
     datasets: Annotated[list[DatasetConfig], Field(min_length=1)] | None = None
-    """Train on several caches instead of cache_dir, each {cache_dir, name, repeats or weight, caption_dropout},
-    mixed per epoch by a seeded sampler (bucketed batches may hold samples of several); null = cache_dir."""
+    """Train on several caches instead of cache_dir, each {cache_dir, name, repeats or weight, caption_dropout,
+    loss_weight}, mixed per epoch by a seeded sampler (bucketed batches may hold samples of several); null =
+    cache_dir."""
     source: str | None = None
     """Media folder, metadata.jsonl/csv file or datasets name that `train.prepare` encodes into cache_dir."""
     caption_column: str = "text"
     """Column (datasets) or sidecar key (media folder) holding each sample's caption."""
-    reference_column: str = "reference"
+    reference_column: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] = "reference"
     """Editing families (Qwen-Image-Edit, FLUX.1 Kontext): column or metadata key holding each sample's reference
-    (input) image, a path relative to the metadata file or a dataset image."""
+    (input) image, a path relative to the metadata file or a dataset image. A list names several, in order, for the
+    families that take more than one (Qwen-Image-Edit-Plus: up to 3 control images, e.g. [control_1, control_2,
+    control_3]); an item may lack some of them (those it has keep their order), not all."""
     mask_column: str | None = None
     """Masked training: column or metadata key naming each sample's loss mask, an image (one mask for every frame) or
     a video of the media's frame count and rate, of the media's own size (a path relative to the metadata file, or a
@@ -773,6 +804,10 @@ class Recipe(Section):
         if self.finetune.base_adapter is not None and exported == "full":
             report([("checkpoint.export", "is full, which would merge finetune.base_adapter into the exported "
                      "transformer; export the LoRA (auto or lora) to use it on the distilled base")])  # fmt: skip
+        if self.train.preservation is not None and ft.method != "lora":
+            report([("train.preservation", "keeps the base model's output with the trained adapter switched off, and "
+                     "finetune.method full has no adapter to switch off (no frozen base); use method: lora, or "
+                     "train.preservation: null")])  # fmt: skip
         if self.checkpoint.export == "lora" and self.finetune.method != "lora":
             report([("checkpoint.export", "is lora but finetune.method is full; use auto or full")])
         if self.checkpoint.export == "full" and self.finetune.fp8_base and ft.adapter != "loha":
@@ -990,7 +1025,10 @@ def save_recipe(r: Recipe, path: str | Path) -> None:
     """Write the (resolved) recipe as YAML that `load_recipe` reads back to an equal Recipe."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dump_yaml(recipe_to_dict(r), default_flow_style=False))
+    data = recipe_to_dict(r)
+    if r.finetune.init_lora is not None:  # the file brings them; set beside init_lora they are refused at load
+        data["finetune"] = {k: v for k, v in data["finetune"].items() if k not in INIT_LORA_OWNS}
+    path.write_text(dump_yaml(data, default_flow_style=False))
 
 
 def _flow(value: Any) -> str:

@@ -317,7 +317,7 @@ def _scaled_shapes(instance: Mapping[str, Any], grid: int, text: int) -> dict[st
         shape = list(shape)
         if len(shape) == len(base["latents"]) and shape[-2:] == base["latents"][-2:]:
             shape[-1] *= grid
-        elif key.startswith("prompt"):
+        elif key.startswith("prompt") or key.endswith("_prompt_embeds"):  # LTX-2's audio prompt: the same text
             shape[0] *= text
         out[key] = shape
     return out
@@ -533,6 +533,7 @@ class Estimate:
     tokens: int  # per sample, after patching
     text: int
     layout: str
+    compute: float = 1.0  # the step's compute relative to the same step without train.preservation's forwards
 
     def table(self, device_gib: float | None) -> str:
         lines = [f"{self.layout}; {self.tokens:,} tokens + {self.text} text tokens per sample"]
@@ -542,6 +543,8 @@ class Estimate:
             lines.append(f"  {'device memory':<34}{device_gib:9.2f} GiB")
         lines += [f"  {'host: ' + name:<34}{b / GIB:9.2f} GiB" for name, b in self.host.items()]
         lines.append(f"  {'CP all-to-all sent per step':<34}{self.all_to_all / GIB:9.2f} GiB")
+        if self.compute != 1.0:
+            lines.append(f"  {'compute (train.preservation)':<34}{self.compute:9.2f} x the step without it")
         return "\n".join(lines)
 
 
@@ -638,6 +641,11 @@ def estimate(recipe: Recipe, world_size: int, device_type: str = "cuda", shape: 
     c["activations (blocks)"] = saved
     c["activations (outside blocks)"] = b * _eval(fit["outside"], n, text) * width
     c["backward working set"] = work
+    if t.preservation is not None:  # its adapted forward's graph is held with the step's until their one backward;
+        # the base's forward runs without gradients and keeps nothing
+        c["activations (preservation forward)"] = saved + c["activations (outside blocks)"]
+        if "offloaded activations" in host:
+            host["offloaded activations"] *= 2
     codes = [math.prod(s) for s, _, f in shape.select(False) if not f]
     if codes:  # fp8 base: each quantized matmul upcasts its weight (forward, and again in backward), one at a time
         c["fp8 weight upcast (one layer)"] = max(codes) * elem
@@ -654,9 +662,13 @@ def estimate(recipe: Recipe, world_size: int, device_type: str = "cuda", shape: 
         peak, first = _device_overheads(recipe, world_size, c, peak, first)
     # Ulysses per block and pass (forward, backward, recompute): q, k, v in and out back, (cp - 1)/cp of each leaves
     passes = 2 + recomputed / max(shape.n_blocks, 1)
-    a2a = 4 * b * n * inner * elem * (cp - 1) / cp * shape.n_blocks * passes * t.grad_accum
+    step_passes = passes if t.preservation is None else 2 * passes + 1  # + the adapted and the base forward
+    a2a = 4 * b * n * inner * elem * (cp - 1) / cp * shape.n_blocks * step_passes * t.grad_accum
     layout = _layout(recipe, world_size, offload)
-    return Estimate(c, peak, first, host, a2a, tokens, text, layout)
+    # compute in forwards: forward 1, backward 2, a recomputed block 1 more; preservation: the step twice + a forward
+    fwd = 3 + recomputed / max(shape.n_blocks, 1)
+    compute = 1.0 if t.preservation is None else (2 * fwd + 1) / fwd
+    return Estimate(c, peak, first, host, a2a, tokens, text, layout, compute)
 
 
 def _trained_experts(recipe: Recipe) -> int:
@@ -933,11 +945,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--gpu-memory", default="80GiB", help="memory per GPU, e.g. 80GiB, 141GB, or a GPU: "
                         f"{', '.join(GPU_PRESETS)} (default 80GiB)")  # fmt: skip
     parser.add_argument("--calibrate", action="store_true", help="re-measure the families' activation calibration")
+    parser.add_argument("--layouts", action="store_true", help="rank the layouts by predicted step time (advisor)")
+    parser.add_argument("--nodes", type=int, default=1, help="--layouts: nodes the GPUs are spread over (default 1)")
+    parser.add_argument("--device", default="h100", help="--layouts: h100, h200, a100, h20 or cpu (default h100)")
     args = parser.parse_args(argv)
     recipe = recipe_from_args(args)
     p = recipe.parallel
     gpus = args.gpus or p.dp_replicate * max(p.dp_shard, 1) * p.cp
     gib = parse_gib(args.gpu_memory)
+    if args.layouts:  # the layout advisor; --gpu-memory only when given (else the device's own)
+        from train.advisor import layouts_main
+
+        return layouts_main(recipe, gpus, args.nodes, args.device, gib if "--gpu-memory" in " ".join(argv) else None)
     e = estimate(recipe, gpus, "cuda")
     print(e.table(gib))
     fits = e.peak <= gib * GIB

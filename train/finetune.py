@@ -78,7 +78,7 @@ from train.original_full import export_original_full
 from train.parallel import Mesh, ParallelDims, Parallelized
 from train.report import record_memory, report_at_end
 from train.resume import plan_resume
-from train.step import Objective
+from train.step import Objective, check_preservation
 from train.step import micro_batch_loss as step_loss
 from train.validation import Validation, check_validation
 
@@ -211,15 +211,18 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     counted in `tr.bad` (the loop stops the run after `train.max_bad_steps` in a row)."""
     t, reduction = tr.train, tr.parallel.reduction
     t0, loss_sum, tokens, samples = time.perf_counter(), torch.zeros((), device=tr.device), 0, []
+    kept = torch.zeros((), device=tr.device)  # train.preservation: its term (unweighted), as loss_sum
     # model.both_experts: this step's expert and its sigma range (train/experts.py); else the recipe's objective
     objective = tr.model.route(step) if isinstance(tr.model, Experts) else tr.objective
     for micro, batch, ids, gen in micro_batches(tr.batches, t, step, tr.mesh.dp_rank):
         if reduction.mode == "fsdp2":  # reduce-scatter once per optimizer step, on the last micro-batch
             tr.model.set_requires_gradient_sync(micro == t.grad_accum - 1)
         samples += ids
-        loss = step_loss(tr.model, tr.spec, batch, objective, gen, tr.amp) / t.grad_accum  # train/step.py
+        parts: dict[str, torch.Tensor] = {}
+        loss = step_loss(tr.model, tr.spec, batch, objective, gen, tr.amp, parts) / t.grad_accum  # train/step.py
         loss.backward()
         loss_sum += loss.detach()
+        kept += parts.get("preservation_loss", 0.0) / t.grad_accum
         shapes = {s: batch[s].shape[1:] for s in tr.spec.streams}  # e.g. 2 clips × 35 video tokens = 70 tokens
         tokens += batch["latents"].shape[0] * tr.spec.tokens_per_sample(shapes, tr.model.config)
     if reduction.mode == "allreduce":
@@ -232,6 +235,8 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     # decides on the same value (NaN anywhere → NaN everywhere).
     if dims.world_size > 1:
         dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+        if objective.preservation > 0:
+            dist.all_reduce(kept, op=dist.ReduceOp.AVG)
     finite = bool(loss_sum.isfinite() and grad_norm.isfinite())  # the norm is global already: equal on every rank
     lr = float(tr.scheduler.get_last_lr()[0])  # this step's rate (the scheduler then moves on to the next step's)
     if finite:
@@ -252,6 +257,7 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
             "lr": lr, "transformer_tokens_per_s": tokens * dims.dp / dt,
             "step_time_s": dt, "peak_mem_bytes": peak_memory_bytes(tr.device), **device_memory(tr.device),
             "skipped": not finite, "bad_steps": tr.bad.total,
+            **({"preservation_loss": kept.item()} if objective.preservation > 0 else {}),
             **tr.batches.contributions()}  # fmt: skip
 
 
@@ -593,6 +599,7 @@ def main(argv: list[str] | None = None) -> None:
                            tokens_of=token_budget(recipe, spec, dataset))  # fmt: skip
     check_text_lengths(dataset, spec, recipe, batches.sampler.batch_sizes)  # per bucket (train.batch_tokens)
     check_masks(dataset, dist.get_rank())  # loss masks that leave nothing to train: refused
+    check_preservation(dataset, recipe, spec)  # train.preservation: every cache holds the preservation prompts
 
     # --- will it fit? train.estimate's prediction for this layout; refused (one line) when clearly over the device --
     memory = startup_check(recipe, dist.get_world_size(), device)

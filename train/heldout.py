@@ -13,6 +13,7 @@ with fewer samples pads with a repeat that counts zero.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -117,7 +118,7 @@ class HeldOutLoss:
         else:
             held, indices = dataset, split(len(dataset), cfg.fraction, t.seed)
             excluded = frozenset(indices)
-        objective = Objective.of(recipe, spec)
+        objective = dataclasses.replace(Objective.of(recipe, spec), preservation=0.0)  # the plain flow-matching loss
         return cls(cfg, t.max_steps, t.seed, held, indices, excluded, spec, mesh, device, amp, objective)
 
     def due(self, step: int) -> bool:

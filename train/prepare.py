@@ -16,7 +16,8 @@ encode it with their audio VAE (`encode_extra`); editing families (Qwen-Image-Ed
 reference image (`data.reference_column`) there and encode it as their pipeline does. With `data.mask_column`, each
 item's loss mask (an image or a video of the media's size) is decoded and cropped like its media (`load_mask`), pooled
 to the latents' resolution as the family's VAE compresses (`FamilyEncoder.loss_mask`) and stored as `loss_mask`; an
-item without one gets all ones.
+item without one gets all ones. With `train.preservation`, each item's preservation prompt (its caption with the
+trigger replaced by the class word) is encoded as its caption is and stored under `preservation.` keys.
 
 Bad items (unreadable/corrupt, too short, too small, no caption or one that is not text (`bad_caption`: a lone
 surrogate such as JSON's "\\ud800"), no audio track, reference image or named conditioning
@@ -55,7 +56,7 @@ from typing import Any
 import torch
 
 from train.config import DataConfig, Recipe, add_recipe_args, check_prepare_inputs, recipe_from_args
-from train.data.dataset import CACHE_FORMAT, CACHE_VERSION, LOSS_MASK, safetensors_problem, sample_path
+from train.data.dataset import CACHE_FORMAT, CACHE_VERSION, LOSS_MASK, PRESERVATION, safetensors_problem, sample_path
 from train.data.media import (
     IMAGE_EXTENSIONS,
     VIDEO_EXTENSIONS,
@@ -118,7 +119,23 @@ def fingerprint(recipe: Recipe) -> dict[str, Any]:
         "text_encoder_dtype": data.text_encoder_dtype,
         "allow_upscale": data.allow_upscale,
         **_media_columns(recipe),
+        **_preservation(recipe),
     }
+
+
+def _preservation(recipe: Recipe) -> dict[str, Any]:
+    """train.preservation's prompts (the trigger and class word that make them), when the recipe asks for them: a
+    cache made without them keeps its settings (and so its resume) as they were."""
+    pres = recipe.train.preservation
+    return {"preservation": {"trigger": pres.trigger, "class_word": pres.class_word}} if pres is not None else {}
+
+
+def preservation_caption(caption: str, recipe: Recipe) -> str:
+    """The preservation prompt of a caption (train.preservation): every occurrence of the trigger replaced by the
+    class word, as ai-toolkit builds its differential-output-preservation prompt; a caption without the trigger is its
+    own."""
+    pres = recipe.train.preservation
+    return caption.replace(pres.trigger, pres.class_word)
 
 
 def _media_columns(recipe: Recipe) -> dict[str, Any]:
@@ -147,6 +164,10 @@ def check_ready(recipe: Recipe) -> None:
     if problems:
         raise PrepareError("cannot prepare:\n  " + "\n  ".join(problems))
     family, named = recipe.model.family, get_encoder(recipe.model.family).condition_media
+    references, most = recipe.data.reference_column, get_encoder(family).max_references
+    if not isinstance(references, str) and len(references) > most:
+        raise PrepareError(f"data.reference_column: {family} reads at most {most} reference image(s) per item, the "
+                           f"recipe names {len(references)} columns {references}; name at most {most}")  # fmt: skip
     if unknown := sorted(set(recipe.data.condition_columns) - set(named)):
         raise PrepareError(f"data.condition_columns: {family} reads no {unknown}; its conditioning media: "
                            f"{list(named) or 'none'}")  # fmt: skip
@@ -195,6 +216,12 @@ class _Listing:
         return self._get(i)
 
 
+def _references(row: Mapping[str, Any], column: str | Sequence[str], value: Callable[[Any], Any]) -> Any:
+    """The item's reference (data.reference_column) as `value` makes it, or, for a list of columns, its references
+    in column order (None where it lacks one)."""
+    return value(row.get(column)) if isinstance(column, str) else [value(row.get(c)) for c in column]
+
+
 def _pick_media_key(row_keys: Iterable[str], media_column: str | None, where: str) -> str:
     keys = list(row_keys)
     if media_column is not None:
@@ -234,7 +261,7 @@ def _folder_listing(
     meta: Path | None,
     caption_column: str,
     media_column: str | None,
-    reference_column: str = "reference",
+    reference_column: str | Sequence[str] = "reference",
     mask_column: str | None = None,
     condition_columns: Mapping[str, str] | None = None,
 ) -> _Listing:
@@ -250,8 +277,8 @@ def _folder_listing(
                                f"there, or set data.mask_column to one of {sorted(rows[0])}")  # fmt: skip
         _say_repeats(meta, rows)
         for i, row in enumerate(rows):
-            rel, ref, mask = str(row.get(key) or ""), row.get(reference_column), row.get(mask_column or "")
-            ref = str(root / ref) if isinstance(ref, str) and ref else None  # relative to the metadata file
+            rel, mask = str(row.get(key) or ""), row.get(mask_column or "")
+            ref = _references(row, reference_column, lambda v: str(root / v) if isinstance(v, str) and v else None)
             mask = str(root / mask) if isinstance(mask, str) and mask else None
             conditions = {name: row.get(column) for name, column in condition_columns.items()}
             conditions = {name: str(root / v) if isinstance(v, str) and v else None for name, v in conditions.items()}
@@ -331,7 +358,7 @@ def _datasets_listing(
     split: str,
     caption_column: str,
     media_column: str | None,
-    reference_column: str = "reference",
+    reference_column: str | Sequence[str] = "reference",
     mask_column: str | None = None,
     condition_columns: Mapping[str, str] | None = None,
 ) -> _Listing:
@@ -346,12 +373,12 @@ def _datasets_listing(
     if isinstance(feature, (datasets.Image, datasets.Video)):
         # decode=False: rows carry {"path", "bytes"}; PyAV/PIL decode them (datasets' Video() needs torchcodec)
         ds = ds.cast_column(key, type(feature)(decode=False))
-    if isinstance(ds.features.get(reference_column), datasets.Image):
-        ds = ds.cast_column(reference_column, datasets.Image(decode=False))
+    for column in [reference_column] if isinstance(reference_column, str) else reference_column:
+        if isinstance(ds.features.get(column), datasets.Image):
+            ds = ds.cast_column(column, datasets.Image(decode=False))
     for column in (mask_column or "", *condition_columns.values()):
         if isinstance(ds.features.get(column), (datasets.Image, datasets.Video)):
             ds = ds.cast_column(column, type(ds.features[column])(decode=False))
-    has_reference = reference_column in ds.column_names
     if caption_column not in ds.column_names:
         raise PrepareError(f"dataset {name} [{split}]: no caption column {caption_column!r}; columns {ds.column_names}")
     if mask_column is not None and mask_column not in ds.column_names:
@@ -360,7 +387,7 @@ def _datasets_listing(
 
     def get(i: int) -> SourceItem:
         row = ds[i]
-        ref = row[reference_column] if has_reference else None
+        ref = _references(row, reference_column, lambda v: v)  # None where a reference column is missing
         mask = row[mask_column] or None if mask_column is not None else None  # an empty cell: no mask
         conditions = {n: row.get(column) or None for n, column in condition_columns.items()}
         return SourceItem(i, row[key], _caption(row[caption_column]), f"{name}[{split}][{i}]", ref, mask, conditions)
@@ -373,7 +400,7 @@ def list_source(
     caption_column: str = "text",
     media_column: str | None = None,
     split: str = "train",
-    reference_column: str = "reference",
+    reference_column: str | Sequence[str] = "reference",
     mask_column: str | None = None,
     condition_columns: Mapping[str, str] | None = None,
 ) -> _Listing:
@@ -556,7 +583,8 @@ def _check_fingerprint(cache: Path, recipe: Recipe) -> None:
     if path.is_file():
         old = json.loads(path.read_text())
         new = fingerprint(recipe)
-        keys = dict.fromkeys([*new, *(k for k in ("reference_column", "condition_columns") if k in old)])
+        optional = ("reference_column", "condition_columns", "preservation")  # settings not every cache has
+        keys = dict.fromkeys([*new, *(k for k in optional if k in old)])
         diff = {k: (old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)}
         if diff:
             lines = [f"{k}: cache has {a!r}, now {b!r}" for k, (a, b) in diff.items()]
@@ -774,6 +802,9 @@ def _encode_item(
     if mask is not None:  # data.mask_column: at the latents' resolution, as this family's VAE compresses
         tensors[LOSS_MASK] = encoder.loss_mask(mask, tensors["latents"].shape)
     tensors.update(encoder.encode_item_text(item.caption, run.text_tokens, extra))
+    if run.recipe.train.preservation is not None:  # the preservation prompt's text, beside the caption's
+        kept = encoder.encode_item_text(preservation_caption(item.caption, run.recipe), run.text_tokens, extra)
+        tensors.update({PRESERVATION + k: v for k, v in kept.items()})
     tensors = _cast(tensors, run.dtype)  # checked after the cast: a value past the cache dtype's range becomes Inf
     if bad := _non_finite(tensors):  # such an item would make the loss NaN at every step that reads it
         raise BadMediaError("non_finite", f"{item.name}: the encoders gave NaN/Inf ({bad})")
@@ -784,9 +815,14 @@ def _encode_item(
         "bucket": str(bucket),
         "index": str(item.index),
     }
+    if layout := encoder.batch_layout(tensors):  # batches are cut per bucket and layout (dataset.batch_key)
+        meta["layout"] = layout
+    if run.recipe.train.preservation is not None:
+        meta["preservation_caption"] = preservation_caption(item.caption, run.recipe)
     path = sample_path(run.cache, item.index)
     _atomic_save(tensors, path, meta)
     record = _ok_record(item, bucket, int(tensors["prompt_embeds"].shape[0]), path.stat().st_size, reused=False)
+    record |= {"layout": meta["layout"]} if "layout" in meta else {}
     if LOSS_MASK in tensors:  # the trainer refuses a cache whose masks leave nothing to train (batches.check_masks)
         record["mask_mean"] = float(tensors[LOSS_MASK].float().mean())
     return record | {"at_limit": _at_limit(tensors.get("prompt_mask"), run.text_tokens)}
@@ -848,6 +884,7 @@ def _reused_record(cache: Path, item: SourceItem, text_tokens: int | None) -> di
             f"{item.name!r}: the source listing changed; prepare into a new data.cache_dir"
         )
     record = _ok_record(item, meta["bucket"], text_len, path.stat().st_size, reused=True)
+    record |= {"layout": meta["layout"]} if "layout" in meta else {}
     if loss_mask is not None:
         record["mask_mean"] = float(loss_mask.float().mean())
     return record | {"caption": meta.get("caption", item.caption), "at_limit": _at_limit(mask, text_tokens)}
@@ -904,7 +941,7 @@ def _manifest(
         "samples": [
             {
                 k: r[k]
-                for k in ("index", "file", "bucket", "caption", "source", "text_len", "bytes", "mask_mean")
+                for k in ("index", "file", "bucket", "layout", "caption", "source", "text_len", "bytes", "mask_mean")
                 if k in r
             }
             for r in ok

@@ -38,6 +38,7 @@ SMOOTHING = 0.9  # EMA weight of the smoothed loss (as wandb / TensorBoard "smoo
 CHARTS = (
     ("loss", "loss", "loss", 1.0),
     ("val_loss", "val_loss", "held-out loss (fixed noise and timesteps)", 1.0),
+    ("preservation_loss", "preservation_loss", "preservation term (adapted vs base, unweighted)", 1.0),
     ("grad_norm", "grad_norm", "gradient norm (before clipping)", 1.0),
     ("lr", "lr", "learning rate", 1.0),
     ("transformer_tokens_per_s", "tokens_per_s", "transformer tokens / s (whole job)", 1.0),
@@ -74,7 +75,8 @@ def record_memory(out_dir: Path, recipe: Recipe, world_size: int, device_type: s
 
 # Every training step's line holds these (train/finetune.py `train_step`); the report reads each of them.
 STEP_KEYS = ("loss", "grad_norm", "lr", "transformer_tokens_per_s", "step_time_s", "peak_mem_bytes")
-NUMBERS = (*STEP_KEYS, "val_loss", "bad_steps")  # numbers when present (val_loss may be null), as are samples/<name>
+# numbers when present (val_loss may be null), as are samples/<name>
+NUMBERS = (*STEP_KEYS, "val_loss", "bad_steps", "preservation_loss")
 DAMAGED = "the file was edited or damaged: restore it, or delete that line"
 
 
@@ -257,6 +259,7 @@ def _result(run: Run) -> list[str]:
     """How the loss went: the steps logged, first, final and lowest loss, and how many steps were skipped."""
     r, m = run.recipe, [x for x in run.metrics if "loss" in x]  # (step 0's line holds only the held-out loss)
     held = [x for x in run.metrics if x.get("val_loss") is not None]
+    kept = [x for x in m if "preservation_loss" in x]  # train.preservation
     if not m:
         return ["No metrics lines (the run logged no step)."]
     finite = [x for x in m if math.isfinite(x["loss"])]
@@ -272,6 +275,9 @@ def _result(run: Run) -> list[str]:
         *([(f"held-out loss (step {held[0]['step']} → {held[-1]['step']})",
             f"{held[0]['val_loss']:.6g} → {held[-1]['val_loss']:.6g} (lowest {min(x['val_loss'] for x in held):.6g})")]
           if held else []),
+        *([(f"preservation term (step {kept[0]['step']} → {kept[-1]['step']}, weight {r.train.preservation.weight:g})",
+            f"{kept[0]['preservation_loss']:.6g} → {kept[-1]['preservation_loss']:.6g}")]
+          if kept and r.train.preservation is not None else []),
     ])  # fmt: skip
 
 
@@ -302,6 +308,8 @@ def _recipe(run: Run, dp: int) -> list[str]:
         ("lr", f"{t.lr:g}, {t.lr_schedule}, warmup {t.warmup_steps}, max_grad_norm {t.max_grad_norm}"),
         ("precision", run.layout.get("mixed_precision", t.mixed_precision)),
         ("activation levers", ", ".join(x for x in levers if x) or "none"), ("data", data),
+        *([("preservation", f"differential output preservation: '{t.preservation.trigger}' → "
+            f"'{t.preservation.class_word}', weight {t.preservation.weight:g}")] if t.preservation else []),
         ("recipe", f"`{out / 'recipe.yaml'}`"),
     ])  # fmt: skip
 
@@ -324,6 +332,8 @@ def _data_rows(run: Run) -> list[tuple[str, object]]:
     trained = sum(last[f"samples/{x['name']}"] for x in datasets) if last else 0
     for x in datasets:
         drawn = f"weight {x['weight']:g}" if x["weight"] is not None else f"repeats {x['repeats']}"
+        if x.get("loss_weight") is not None:  # data.datasets[].loss_weight (prior preservation)
+            drawn += f", loss weight {x['loss_weight']:g}"
         said = (f"`{x['cache_dir']}`: {x['samples']} samples, {drawn}, caption dropout {x['caption_dropout']:g}; "
                 f"{x['samples_per_epoch']} per epoch ({x['samples_per_epoch'] / planned:.1%})")  # fmt: skip
         if last:

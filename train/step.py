@@ -4,8 +4,9 @@
     out = forward(model, inputs, amp)                                                # noisy streams, forward kwargs
     loss = loss_of(spec, inputs, out, objective, model_config=model.config)          # predictions, targets, loss
 
-(`micro_batch_loss` is the three in a row.) The trainer (train/finetune.py), the estimator's calibration
-(train/estimate.py), the plan tools and the CP oracle (train/tools/) and the tests call these; none repeats a rule.
+(`micro_batch_loss` is the three in a row, then `preservation_loss` with train.preservation.) The trainer
+(train/finetune.py), the estimator's calibration (train/estimate.py), the plan tools and the CP oracle (train/tools/)
+and the tests call these; none repeats a rule.
 
 The forward kwargs are the family pipeline's own (`FamilySpec.forward_kwargs`; tests/test_families.py checks them
 against each pipeline's real denoising step), and they are the same with and without context parallelism: CP splits
@@ -14,20 +15,31 @@ kwargs is the pipeline-form reference every CP run must equal.
 
 Randomness: one `torch.Generator` per micro-batch, drawn in a fixed order (sigmas, then noise per stream), so every
 rank of a CP group, seeded alike, draws the same values.
+
+Preservation, in the same step: a mixture's per-dataset loss weight (data.datasets[].loss_weight, DreamBooth's prior
+preservation: the batch's `loss_weight`, one per sample) multiplies each sample's flow-matching loss; differential
+output preservation (train.preservation, `Objective.preservation` its weight) adds `preservation_loss`: the adapted
+model's prediction on the preservation prompt (the batch's `preservation.*` text, cached by train.prepare) against the
+frozen base's (the trained adapter off, no gradients), both on the step's noisy streams and sigmas. Those two are
+forwards like the first, so under CP each is the sharded forward with its output gathered, and the loss stays whole
+on every rank: nothing new to reduce.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from contextlib import nullcontext
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from train import objective as fm
-from train.data.dataset import LOSS_MASK
+from train.data.dataset import LOSS_MASK, PRESERVATION, SAMPLE_WEIGHT
+from train.errors import UserError
 from train.models.spec import FamilySpec
+
+TRAINED_ADAPTER = "default"  # the adapter the run trains (train/modeling.py); a base adapter stays on (base_adapter.py)
 
 
 @dataclass(frozen=True)
@@ -41,6 +53,7 @@ class Objective:
     loss_weighting: fm.WeightingScheme = "none"
     frame_sigmas: str | None = None  # None: the family's default
     sigma_range: tuple[float, float] | None = None  # one expert of a mixture (Wan 2.2 A14B): its sigmas only
+    preservation: float = 0.0  # train.preservation.weight (differential output preservation); 0 = off
 
     @classmethod
     def of(cls, recipe: Any, spec: FamilySpec) -> Objective:
@@ -49,7 +62,8 @@ class Objective:
 
         t = recipe.train
         return cls(t.timestep_sampling, t.logit_mean, t.logit_std, t.mode_scale, t.loss_weighting, t.frame_sigmas,
-                   expert_sigma_range(spec, recipe.model))  # fmt: skip
+                   expert_sigma_range(spec, recipe.model),
+                   t.preservation.weight if t.preservation is not None else 0.0)  # fmt: skip
 
 
 @dataclass
@@ -117,9 +131,62 @@ def loss_of(
     preds = spec.predictions(out, inputs.shapes, model_config=model_config)
     targets = {s: fm.flow_matching_target(inputs.x0[s], inputs.noise[s]) for s in inputs.x0}
     weights = {s: fm.loss_weight(inputs.sigmas[s], objective.loss_weighting) for s in inputs.x0}
+    if SAMPLE_WEIGHT in inputs.batch:  # a mixture's per-dataset loss weights: each sample's loss times its own
+        w = inputs.batch[SAMPLE_WEIGHT]
+        weights = {s: v * w.to(v).reshape(-1, *[1] * (v.ndim - 1)) for s, v in weights.items()}
     keep = {} if inputs.condition is None else {"latents": 1.0 - inputs.condition}
     masks = {"latents": inputs.batch[LOSS_MASK]} if LOSS_MASK in inputs.batch else {}  # a training-only batch key
     return sum(fm.stream_losses(preds, targets, weights, keep, masks).values())
+
+
+def preservation_inputs(inputs: StepInputs, *, model_config: Mapping[str, Any]) -> StepInputs:
+    """The step's inputs with the preservation prompt's text in place of the caption's: the same clean, noise, sigmas
+    and noisy streams, the kwargs rebuilt by the family from the swapped batch."""
+    spec, batch = inputs.spec, inputs.batch
+    text = {k[len(PRESERVATION) :]: v for k, v in batch.items() if k.startswith(PRESERVATION)}
+    if not text:
+        raise UserError("train.preservation needs each sample's preservation prompt in the cache: run python -m "
+                        "train.prepare with the recipe's train.preservation into a new data.cache_dir")  # fmt: skip
+    swapped = {**batch, **text}
+    element = {**inputs.sigmas, "latents": fm.condition_sigmas(inputs.sigmas["latents"], inputs.condition)}
+    kwargs = spec.forward_kwargs(swapped, inputs.noisy, element, model_config=model_config)
+    return StepInputs(spec, swapped, inputs.x0, inputs.noise, inputs.sigmas, inputs.condition, inputs.noisy, kwargs)
+
+
+@contextmanager
+def base_only(model: torch.nn.Module) -> Iterator[None]:
+    """The frozen base for the block: the trained adapter (`default`) leaves every tuner layer's active adapters (a
+    base adapter, finetune.base_adapter, stays: it is part of the base). Set on the layers directly: peft's
+    set_adapter would also change which parameters require grad. With its B = 0 start the adapted output equals this
+    bit for bit (x + 0 = x)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    if not layers:
+        raise UserError("train.preservation compares the adapted model with its base, and this model has no adapter: "
+                        "set finetune.method: lora, or train.preservation: null")  # fmt: skip
+    before = [m._active_adapter for m in layers]
+    try:
+        for m in layers:
+            m._active_adapter = [a for a in m.active_adapters if a != TRAINED_ADAPTER]
+        yield
+    finally:
+        for m, active in zip(layers, before):
+            m._active_adapter = active
+
+
+def preservation_loss(model: torch.nn.Module, inputs: StepInputs, amp: torch.dtype | None = None) -> torch.Tensor:
+    """Differential output preservation: the mean squared error between the adapted model's prediction on the
+    preservation prompt and the frozen base's (no gradients), summed over streams; per sample the mean over its
+    predicted elements (clean conditioning left out), then the mean over the batch, unweighted (ai-toolkit's
+    `mse_loss(dop_pred, prior_pred)`: no timestep weighting, loss mask or dataset weight)."""
+    config, spec = model.config, inputs.spec
+    pres = preservation_inputs(inputs, model_config=config)
+    with torch.no_grad(), base_only(model):
+        base = spec.predictions(forward(model, pres, amp), pres.shapes, model_config=config)
+    adapted = spec.predictions(forward(model, pres, amp), pres.shapes, model_config=config)
+    keep = {} if inputs.condition is None else {"latents": 1.0 - inputs.condition}
+    return sum(fm.stream_losses(adapted, {s: b.detach() for s, b in base.items()}, None, keep).values())
 
 
 def micro_batch_loss(
@@ -129,7 +196,48 @@ def micro_batch_loss(
     objective: Objective,
     generator: torch.Generator,
     amp: torch.dtype | None = None,
+    parts: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """`prepare` → `forward` → `loss_of`: one micro-batch's loss, ready for backward."""
+    """`prepare` → `forward` → `loss_of` (+ `objective.preservation` × `preservation_loss`): one micro-batch's
+    loss, ready for backward. `parts`: given a dict, the terms are put in it, detached (`preservation_loss`,
+    unweighted), for the metrics."""
     inputs = prepare(spec, batch, objective, generator, model_config=model.config)
-    return loss_of(spec, inputs, forward(model, inputs, amp), objective, model_config=model.config)
+    loss = loss_of(spec, inputs, forward(model, inputs, amp), objective, model_config=model.config)
+    if objective.preservation > 0:
+        term = preservation_loss(model, inputs, amp)
+        loss = loss + objective.preservation * term
+        if parts is not None:
+            parts["preservation_loss"] = term.detach()
+    return loss
+
+
+def check_preservation(dataset: Any, recipe: Any, spec: FamilySpec | None = None) -> None:
+    """train.preservation: every cache holds each sample's preservation prompt, made with the recipe's trigger and
+    class word (train.prepare records them in the manifest's settings); a UserError naming the cache otherwise.
+    Synthetic data has none. A family that packs one unpadded text layout per batch (`spec.shared_text_length`)
+    cannot batch preservation prompts of different lengths: batches of one sample only. From the manifests: the same
+    on every rank, seconds before the model is built."""
+    from train.data.dataset import CachedLatentDataset, MixedDataset
+
+    pres = recipe.train.preservation
+    if pres is None:
+        return
+    t = recipe.train
+    if spec is not None and spec.shared_text_length and (t.batch_size > 1 or t.batch_tokens is not None):
+        raise UserError(f"train.preservation: {spec.name} packs one text layout per batch (no text mask), and the "
+                        "preservation prompts of a batch may differ in length: set train.batch_size: 1 (and no "
+                        "train.batch_tokens) and raise train.grad_accum for a larger effective batch")  # fmt: skip
+    want = {"trigger": pres.trigger, "class_word": pres.class_word}
+    parts = dataset.parts if isinstance(dataset, MixedDataset) else [dataset]
+    fix = "run python -m train.prepare with this recipe's train.preservation into a new data.cache_dir"
+    for part in parts:
+        if not isinstance(part, CachedLatentDataset):
+            raise UserError(f"train.preservation needs the preservation prompts' text embeddings, and synthetic data "
+                            f"has none: train on a cache ({fix}), or set train.preservation: null")  # fmt: skip
+        made = part.manifest.get("settings", {}).get("preservation")
+        if made is None:
+            raise UserError(f"cache {part.cache_dir} holds no preservation prompts (it was prepared without "
+                            f"train.preservation): {fix}")  # fmt: skip
+        if made != want:
+            raise UserError(f"cache {part.cache_dir} holds preservation prompts made with {made}, and the recipe's "
+                            f"train.preservation says {want}: {fix}, or set those values back")  # fmt: skip

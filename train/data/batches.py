@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..config import Recipe
 from ..errors import UserError
-from .dataset import BucketBatchSampler, CachedLatentDataset, CacheReads, MixedDataset, Share, collate
+from .dataset import SAMPLE_WEIGHT, BucketBatchSampler, CachedLatentDataset, CacheReads, MixedDataset, Share, collate
 from .synthetic_latents import SyntheticLatentDataset
 
 
@@ -137,8 +137,10 @@ class Batches:
         device: torch.device,
         caption_dropout: float | Sequence[float] = 0.0,
         tokens: Mapping[str, int] | None = None,
+        loss_weights: Sequence[float] | None = None,
     ) -> None:
         self.dataset, self.sampler, self.device = dataset, sampler, device
+        self.loss_weights = list(loss_weights) if loss_weights is not None else None  # per dataset of a mixture
         self.mixed = isinstance(dataset, MixedDataset)
         self._it = iter(sampler)
         self._empty = dataset.empty_prompts() if self.mixed else [dataset.empty_prompt()]
@@ -161,6 +163,8 @@ class Batches:
             for i in self.sampler.job_batch():
                 self.drawn[self._part(i)] += 1
         batch = {k: v.to(self.device) for k, v in collate([self.dataset[i] for i in indices]).items()}
+        if self.loss_weights is not None:  # data.datasets[].loss_weight: each sample's, for the step's loss
+            batch[SAMPLE_WEIGHT] = torch.tensor([self.loss_weights[self._part(i)] for i in indices], device=self.device)
         if gen is not None:
             batch = self.caption_dropout(batch, [self.dropout[self._part(i)] for i in indices], gen, indices)
         return batch, self.sample_ids(indices)
@@ -191,10 +195,16 @@ class Batches:
         if self.mixed:
             out["datasets"] = [{"name": name, "cache_dir": str(part.cache_dir), "samples": len(part),
                                 "repeats": None if share.weight is not None else share.repeats, "weight": share.weight,
-                                "caption_dropout": p, "samples_per_epoch": n}
-                               for name, part, share, p, n in zip(self.dataset.names, self.dataset.parts, s.shares,
-                                                                  self.dropout, s.plan())]  # fmt: skip
+                                "caption_dropout": p, "samples_per_epoch": n,
+                                **({"loss_weight": w} if w is not None else {})}
+                               for name, part, share, p, n, w in zip(self.dataset.names, self.dataset.parts,
+                                                                     s.shares, self.dropout, s.plan(),
+                                                                     self._weights())]  # fmt: skip
         return out
+
+    def _weights(self) -> list[float | None]:
+        """Each dataset's loss weight (data.datasets[].loss_weight), None for all when none sets one."""
+        return self.loss_weights if self.loss_weights is not None else [None] * len(self._empty)
 
     def _caches(self) -> list[CachedLatentDataset]:
         if self.mixed:
@@ -315,4 +325,8 @@ def make_batches(
         shares = [Share(len(part), d.repeats or 1, d.weight) for part, d in zip(dataset.parts, data.datasets)]
     sampler = BucketBatchSampler(dataset.buckets, size, dp_rank=dp_rank, dp_size=dp_size, seed=t.seed,
                                  shuffle=data.shuffle, exclude=exclude, shares=shares)  # fmt: skip
-    return Batches(dataset, sampler, device, caption_dropout=caption_dropouts(dataset, recipe), tokens=tokens)
+    weights = None  # a batch holds each sample's loss weight only when some dataset sets one: else unchanged
+    if isinstance(dataset, MixedDataset) and any(d.loss_weight is not None for d in data.datasets):
+        weights = [d.loss_weight if d.loss_weight is not None else 1.0 for d in data.datasets]
+    return Batches(dataset, sampler, device, caption_dropout=caption_dropouts(dataset, recipe), tokens=tokens,
+                   loss_weights=weights)  # fmt: skip

@@ -19,11 +19,17 @@ Each sample file holds tensors (per sample, no batch dim; floating tensors in th
                     with data.mask_column (none otherwise): the item's mask pooled to latent resolution
                     (`FamilyEncoder.loss_mask`), multiplying the squared error of the latents in the loss
                     (train/objective.py); a training-only key that no family's forward reads
+    preservation.*  with train.preservation: the preservation prompt's text tensors (each of the caption's text keys
+                    under the `PRESERVATION` prefix, e.g. preservation.prompt_embeds), which train/step.py swaps in for
+                    its preservation forwards; its caption is the metadata's preservation_caption
+
+A mixture whose datasets set data.datasets[].loss_weight adds `loss_weight` (B,) to each batch (`SAMPLE_WEIGHT`).
 
 and string metadata: caption, source (file path or dataset row), bucket ("FxHxW", the pixel clip shape), family,
-index. `manifest.json` has: format, version, family, pretrained_path, settings, counts (total/ok/bad, bad by reason),
-buckets (bucket -> count), tensors (name -> shape/dtype per bucket), text (max_tokens, longest), samples (index, file,
-bucket, caption, source, text_len, bytes), bad (index, source, reason, detail), timing. See `train.prepare`.
+index, and layout where the family's encoder records one (`batch_key`). `manifest.json` has: format, version, family,
+pretrained_path, settings, counts (total/ok/bad, bad by reason), buckets (bucket -> count), tensors (name ->
+shape/dtype per bucket), text (max_tokens, longest), samples (index, file, bucket, layout, caption, source, text_len,
+bytes), bad (index, source, reason, detail), timing. See `train.prepare`.
 
 Checked when a `CachedLatentDataset` opens (seconds for thousands of files, nothing but sizes and headers read): the
 folder and its manifest exist and list samples, every sample file is present and of the size the manifest declares (a
@@ -31,9 +37,9 @@ cache written before sizes were recorded: of the size its own safetensors header
 family, that the cache was prepared for it and holds the keys and latent ranks its spec reads. Each item is checked
 for NaN/Inf when it is loaded. A problem is one `UserError` line naming the cache (and file) and the fix.
 
-Sampling contract (`BucketBatchSampler`): every batch comes from one bucket (same shapes, so it stacks); the batch
-sequence depends only on (seed, epoch, dp_rank, dp_size), so all ranks of a context-parallel group (same dp_rank) get
-the same batches and different data-parallel groups get disjoint ones; it runs forever over epochs, and
+Sampling contract (`BucketBatchSampler`): every batch comes from one bucket and layout (same shapes: it stacks); the
+batch sequence depends only on (seed, epoch, dp_rank, dp_size), so all ranks of a context-parallel group (same
+dp_rank) get the same batches and different data-parallel groups get disjoint ones; it runs forever over epochs, and
 `state_dict()` records the exact position so a resumed run continues with the very next batch. Several caches
 (`MixedDataset`, data.datasets) are one index space whose epoch holds each cache's samples its repeats times or its
 weighted share (`Share`, carried over epochs so that a small weight is honoured over the run); a batch size per
@@ -62,6 +68,8 @@ __all__ = [
     "CACHE_FORMAT",
     "CACHE_VERSION",
     "LOSS_MASK",
+    "PRESERVATION",
+    "SAMPLE_WEIGHT",
     "BucketBatchSampler",
     "CachedLatentDataset",
     "MixedDataset",
@@ -78,6 +86,9 @@ CACHE_FORMAT = "ctxtrain-latent-cache"
 CACHE_VERSION = 1
 TEXT_KEYS = ("prompt_embeds", "prompt_mask")
 LOSS_MASK = "loss_mask"  # the optional per-sample loss mask (module doc); train/step.py applies it
+# train.preservation: the preservation prompt's text tensors, each text key under this prefix (train.prepare)
+PRESERVATION = "preservation."
+SAMPLE_WEIGHT = "loss_weight"  # (B,) data.datasets[].loss_weight of each sample, in a mixture's batches that set one
 
 
 def sample_path(cache_dir: str | Path, index: int) -> Path:
@@ -156,22 +167,31 @@ def safetensors_problem(path: Path, size: int | None = None) -> str | None:
     return None if actual == expected else f"has {actual} bytes where its header needs {expected} (truncated)"
 
 
-def pad_text(item: Mapping[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
-    """Right-pad prompt_embeds (L, D) with zeros and prompt_mask (L,) with False to `length` tokens."""
+def batch_key(sample: Mapping[str, Any]) -> str:
+    """The key a manifest sample's batches are cut by: its bucket, and its layout where the family's encoder records
+    one (`FamilyEncoder.batch_layout`: Qwen-Image-Edit-Plus' count and sizes of control images), so every sample of a
+    batch, and every CP rank of it, has one sequence layout."""
+    return f"{sample['bucket']} {sample['layout']}" if sample.get("layout") else sample["bucket"]
+
+
+def pad_text(item: Mapping[str, torch.Tensor], length: int, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Right-pad prompt_embeds (L, D) with zeros and prompt_mask (L,) with False to `length` tokens (`prefix`: the
+    preservation prompt's, `PRESERVATION`, padded per batch by `collate`: the manifest records captions only)."""
     out = dict(item)
-    if "prompt_embeds" not in item:
+    embeds, mask = prefix + "prompt_embeds", prefix + "prompt_mask"
+    if embeds not in item:
         return out
-    n = item["prompt_embeds"].shape[0]
-    if n > length:
+    n = item[embeds].shape[0]
+    if n > length and not prefix:
         raise UserError(
             f"a cached prompt_embeds has {n} tokens, more than the {length} its cache manifest records as "
             "the longest: re-run python -m train.prepare into a new data.cache_dir"
         )
     if n < length:
-        emb = item["prompt_embeds"]
-        out["prompt_embeds"] = torch.cat([emb, emb.new_zeros(length - n, *emb.shape[1:])])
-        mask = item.get("prompt_mask", torch.ones(n, dtype=torch.bool))
-        out["prompt_mask"] = torch.cat([mask, mask.new_zeros(length - n)])
+        emb = item[embeds]
+        out[embeds] = torch.cat([emb, emb.new_zeros(length - n, *emb.shape[1:])])
+        have = item.get(mask, torch.ones(n, dtype=torch.bool))
+        out[mask] = torch.cat([have, have.new_zeros(length - n)])
     return out
 
 
@@ -210,7 +230,7 @@ class CachedLatentDataset:
         if family is not None:
             self.check_family(family)
         self.check_files()
-        self.buckets: list[str] = [s["bucket"] for s in self.samples]
+        self.buckets: list[str] = [batch_key(s) for s in self.samples]
         self.text_length: int | None = self.manifest["text"]["longest"] if pad_text else None
 
     def check_files(self) -> None:
@@ -409,9 +429,10 @@ def collate(items: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tens
     for it in items[1:]:
         if set(it) != keys:
             raise ValueError(f"collate: items have different tensors: {sorted(keys)} vs {sorted(it)}")
-    if "prompt_embeds" in keys:
-        longest = max(it["prompt_embeds"].shape[0] for it in items)
-        items = [pad_text(it, longest) for it in items]
+    for prefix in ("", PRESERVATION):
+        if prefix + "prompt_embeds" in keys:
+            longest = max(it[prefix + "prompt_embeds"].shape[0] for it in items)
+            items = [pad_text(it, longest, prefix) for it in items]
     out = {}
     for k in sorted(keys):
         shapes = {tuple(it[k].shape) for it in items}

@@ -176,6 +176,10 @@ class FamilyEncoder(ABC):
     needs_reference: bool = False
     """Editing families: every item needs a reference (input) image, read from `data.reference_column` and handed to
     `load_extra` (an item without one is bad: `no_reference`)."""
+    max_references: int = 1
+    """How many reference images an item may have: more than 1 lets `data.reference_column` be a list of up to this
+    many columns (Qwen-Image-Edit-Plus: 3), and `load_extra` then gets the item's references as a list in column
+    order, None where it lacks one."""
     condition_media: tuple[str, ...] = ()
     """Named conditioning media every item needs besides its reference (Wan Animate: a pose video and a face video),
     each read from the item's column `data.condition_columns[name]` (default: the name itself) and handed to
@@ -347,6 +351,12 @@ class FamilyEncoder(ABC):
         (with the same generator), unless the family's latents need both (Wan Animate: the reference image's latent
         frame in front of the clip's)."""
         return self.encode_media(pixels, generator, mode, fps) | self.encode_extra(extra, generator, mode, fps)
+
+    def batch_layout(self, tensors: Mapping[str, torch.Tensor]) -> str | None:
+        """What, besides its bucket, fixes an item's sequence layout, from its cache tensors: items of one bucket but
+        another layout (Qwen-Image-Edit-Plus: another count or size of control images) never share a batch (the
+        trainer's batches are cut per bucket and layout). None (the default): the bucket fixes it."""
+        return None
 
     def encode_item_text(self, caption: str, max_tokens: int | None, extra: Any) -> dict[str, torch.Tensor]:
         """An item's caption embeddings, given what `load_extra` returned: `encode_text` unless the pipeline encodes

@@ -187,6 +187,15 @@ INPUTS: dict[str, dict[str, Any]] = {
         "encoder_hidden_states_2": {"shape": ["B", "L", 32]},
         "encoder_attention_mask_2": {"shape": ["B", "L"], "kind": "bool_mask"},
     },
+    # The SANA-WM refiner over one AR block, as its pipeline calls it less the KV cache: packed tokens (B, S, C), one
+    # timestep per token (B, S), and the caller's interleaved video RoPE, a (cos, sin) pair of (B, S, heads x head
+    # dim) (build_rotary_emb_for_absolute_positions; random tables serve the check). No KV cache: its sliding-window
+    # modes are not covered (cp_plans/sanawmltx2refiner.yaml).
+    "SanaWMLTX2RefinerTransformer3DModel": {
+        "hidden_states": {"shape": ["B", "S", 128]},
+        "timestep": {"shape": ["B", "S"], "kind": "timestep"},
+        "video_rotary_emb": ({"shape": ["B", "S", 80]}, {"shape": ["B", "S", 80]}),
+    },
     # SANA-WM as its pipeline calls it: one timestep per latent frame (B, 1, T) (LTX style), the text with a singleton
     # dim (B, 1, L, C).
     "SanaWMTransformer3DModel": {
@@ -206,6 +215,7 @@ INPUTS: dict[str, dict[str, Any]] = {
 }
 
 LAYOUT: dict[str, str] = {
+    "SanaWMLTX2RefinerTransformer3DModel": "packed",
     "AnyFlowTransformer3DModel": "video",
     "AnyFlowFARTransformer3DModel": "video",
     "GlmImageTransformer2DModel": "image",
@@ -244,10 +254,6 @@ REASONS: dict[str, str] = {
     "threshold over 8 x 8 token tiles, plus a sliding-tile window), and torch runs no FlexAttention backward on CPU: "
     "the serial training step of the check fails before any CP (NotImplementedError), so no plan can be verified "
     "here; refused until it is checked on a GPU",
-    "WanAnimate2Transformer3DModel": "a training forward is two passes sharing a KV cache object: an 'extract' pass "
-    "over the reference video fills a WanAnimate2KVCache, and each denoising pass ('cached') attends over the "
-    "generation tokens and the cached reference keys through a flex BlockMask (torch runs no FlexAttention backward "
-    "on CPU); neither the cache object nor the two-pass step is a forward input the sweep can give",
     "Cosmos3OmniTransformer": "one packed, unbatched joint sequence of text, vision, sound and action tokens placed "
     "by index tensors, with a causal understanding prefix (is_causal=True, which the CP attention kernels refuse) "
     "next to the bidirectional generation pathway and grouped-query attention; the class carries its own CP seams "

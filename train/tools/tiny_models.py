@@ -7,9 +7,8 @@ pipeline's own kwargs, with and without CP), and the trainer's loss (:func:`fami
 attention heads (divisible by none of the CP degrees 2, 3 and 4) of dim 8, and the recipes' shapes make every token
 count that CP splits uneven for 2, 3 and 4 (``tests/test_tiny_models.py`` checks it on the tensors the plan splits).
 
-Guard models (Helios): diffusers transformers whose CP training is refused, not families. LTX-2 is not a family
-either but trains under CP with its text masks (tests/test_ltx_variants.py). Their tiny configs and inputs are written
-here.
+Guard models (Helios): diffusers transformers whose CP training is refused, not families. Their tiny configs and
+inputs are written here. (LTX-2, once configured here, is the ``ltx2`` family now.)
 
 Usage::
 
@@ -35,7 +34,7 @@ from diffusers.utils import BaseOutput
 
 from train.models import family_module, family_names, get_family
 from train.models import tiny_config as family_tiny_config
-from train.models.tiny import HEAD_DIM, INNER_DIM, NUM_HEADS, TEXT_DIM
+from train.models.tiny import HEAD_DIM, INNER_DIM, NUM_HEADS, TEXT_DIM  # noqa: F401 (re-exported sizes)
 from train.tools.probe import INIT_BIAS_STD, INIT_GAIN, family_case, init_weights, tiny_recipe  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,8 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 FAMILY_NAMES: tuple[str, ...] = family_names()
 # Models whose CP training is expected to be refused (guard tests): not families, configured here.
 GUARD_MODEL_NAMES: tuple[str, ...] = ("helios",)
-# Models that are not families but train under CP in the tests (model-level parity with their text masks).
-TRAINED_MODEL_NAMES: tuple[str, ...] = ("ltx2",)
+# Models that are not families but train under CP in the tests (model-level parity): none since LTX-2 is a family.
+TRAINED_MODEL_NAMES: tuple[str, ...] = ()
 OTHER_MODEL_NAMES: tuple[str, ...] = GUARD_MODEL_NAMES + TRAINED_MODEL_NAMES  # configured here, not families
 ALL_MODEL_NAMES: tuple[str, ...] = FAMILY_NAMES + OTHER_MODEL_NAMES
 
@@ -76,32 +75,13 @@ GUARD_CONFIGS: dict[str, dict[str, Any]] = {
         zero_history_timestep=True,
         has_multi_term_memory_patch=True,
     ),
-    "ltx2": dict(
-        in_channels=8,
-        out_channels=8,
-        patch_size=1,
-        patch_size_t=1,
-        num_attention_heads=NUM_HEADS,
-        attention_head_dim=HEAD_DIM,
-        cross_attention_dim=INNER_DIM,
-        audio_in_channels=4,
-        audio_out_channels=4,
-        audio_num_attention_heads=NUM_HEADS,
-        audio_attention_head_dim=4,
-        audio_cross_attention_dim=NUM_HEADS * 4,  # = audio inner dim (a2v / v2a attention width)
-        num_layers=1,
-        qk_norm="rms_norm_across_heads",
-        caption_channels=TEXT_DIM,
-        rope_double_precision=False,
-    ),
 }
-GUARD_CLASSES = {"helios": "HeliosTransformer3DModel", "ltx2": "LTX2VideoTransformer3DModel"}
+GUARD_CLASSES = {"helios": "HeliosTransformer3DModel"}
 _GUARD_BATCH = 1
 _GUARD_GRID = (5, 1, 7)  # (frames, height, width) in tokens after patchify
 _GUARD_TEXT = 7
 # Helios: main chunk (5 frames) + short (2 frames) / mid (2 frames) / long (4 frames) history latents.
 _HELIOS_HISTORY_FRAMES = {"long": 4, "mid": 2, "short": 2}
-_LTX2_AUDIO_FRAMES = 13
 # (model, token_counts key) pairs that are not split by CP on their own and may be divisible by 2, 3 or 4.
 UNSPLIT_COUNTS: frozenset[tuple[str, str]] = frozenset({("helios", "history")})
 
@@ -128,8 +108,6 @@ def _guard_token_counts(name: str) -> dict[str, int]:
         # history has 2 frames, and odd video + odd history would make the total even.
         counts["history"] = sum(_helios_history_tokens().values())
         counts["total"] = counts["video"] + counts["history"]
-    else:
-        counts["audio"] = _LTX2_AUDIO_FRAMES
     return counts
 
 
@@ -172,30 +150,7 @@ def _helios_inputs(gen: torch.Generator, dtype: torch.dtype, with_text_mask: boo
     }
 
 
-def _ltx2_inputs(gen: torch.Generator, dtype: torch.dtype, with_text_mask: bool) -> dict[str, Any]:
-    cfg, bsz = GUARD_CONFIGS["ltx2"], _GUARD_BATCH
-    f, h, w = _GUARD_GRID
-    mask = None
-    if with_text_mask:  # 1 = keep, 0 = pad: the last two tokens padded
-        mask = torch.ones(bsz, _GUARD_TEXT, dtype=torch.long)
-        mask[:, -2:] = 0
-    return {
-        "hidden_states": _randn(gen, bsz, f * h * w, cfg["in_channels"], dtype=dtype),
-        "audio_hidden_states": _randn(gen, bsz, _LTX2_AUDIO_FRAMES, cfg["audio_in_channels"], dtype=dtype),
-        "encoder_hidden_states": _randn(gen, bsz, _GUARD_TEXT, cfg["caption_channels"], dtype=dtype),
-        "audio_encoder_hidden_states": _randn(gen, bsz, _GUARD_TEXT, cfg["caption_channels"], dtype=dtype),
-        "timestep": _timestep(gen, bsz, 1000.0).to(dtype),
-        "encoder_attention_mask": mask,
-        "audio_encoder_attention_mask": None if mask is None else mask.clone(),
-        "num_frames": f,
-        "height": h,
-        "width": w,
-        "fps": 24.0,
-        "audio_num_frames": _LTX2_AUDIO_FRAMES,
-    }
-
-
-_GUARD_INPUTS = {"helios": _helios_inputs, "ltx2": _ltx2_inputs}
+_GUARD_INPUTS = {"helios": _helios_inputs}
 
 
 # Any model ------------------------------------------------------------------------------------------------------------
@@ -270,8 +225,8 @@ def build_inputs(
     """Keyword arguments for ``model(**inputs, return_dict=False)``, deterministic from ``seed``.
 
     A family: ``family_case(...).kwargs``, the pipeline's own kwargs (the same with and without CP; text masks as
-    the pipeline passes them). A guard model: its inputs; ``with_text_mask=True`` gives LTX-2's padded text masks (a
-    family always has its own). Tensors are created on CPU and moved to ``device``.
+    the pipeline passes them). A guard model: its inputs (``with_text_mask``: a guard model without one refuses it; a
+    family always has its own masks and ignores it). Tensors are created on CPU and moved to ``device``.
     """
     _check_name(name)
     if name in FAMILY_NAMES:
@@ -286,7 +241,7 @@ def token_counts(name: str) -> dict[str, int]:
 
     A family: its media tokens (``image``/``video``: ``spec.tokens_per_sample``, MiniMax-H3's audio rows included)
     and ``text`` (the text the default inputs feed). Guard models: ``video``, ``text``; Helios adds ``history`` and
-    ``total`` (the sequence its blocks see), LTX-2 adds ``audio``.
+    ``total`` (the sequence its blocks see).
     """
     _check_name(name)
     if name not in FAMILY_NAMES:
@@ -304,13 +259,13 @@ def token_counts(name: str) -> dict[str, int]:
 
 def output_tensors(name: str, out: Any) -> list[torch.Tensor]:
     """The output tensors of ``model(**inputs, return_dict=False)`` (or a returned output dataclass): one per
-    noised stream of a family ([video, audio] for MiniMax-H3); [video, audio] for LTX-2."""
+    noised stream of a family ([video, audio] for MiniMax-H3 and LTX-2)."""
     _check_name(name)
     if isinstance(out, BaseOutput):
         out = out.to_tuple()
     if isinstance(out, torch.Tensor):
         out = (out,)
-    n = len(get_family(name).streams) if name in FAMILY_NAMES else {"helios": 1, "ltx2": 2}[name]
+    n = len(get_family(name).streams) if name in FAMILY_NAMES else {"helios": 1}[name]
     out = tuple(torch.stack(o) if isinstance(o, list) else o for o in out)  # Z-Image: one tensor per sample
     tensors = list(out[:n])
     if len(tensors) != n or not all(isinstance(t, torch.Tensor) for t in tensors):

@@ -21,7 +21,7 @@ dynamic shift's ``image_seq_len`` is the target's token count, as in the pipelin
 Under CP the Qwen-Image plan (cp_plans/qwenimage.yaml) shards the concatenated sequence and the RoPE table built for
 both images alike, and gathers the whole sequence before the cut.
 
-Not covered: Qwen-Image-Edit-2509/2511 (several input images, ``zero_cond_t``).
+Not covered: Qwen-Image-Edit-2509/2511 (several input images, ``zero_cond_t``): family ``qwenimage_edit_plus``.
 """
 
 from train.models.qwenimage import unused_params  # the same transformer: the same never-used parameters
